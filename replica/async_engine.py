@@ -1,0 +1,224 @@
+"""AsyncLLMEngine: an LLMEngine driven by one background thread, streamed to asyncio.
+
+The engine (scheduler, block manager, runner) is touched by its own thread only. Callers
+send it commands (add, abort) through a thread-safe queue; it runs steps whenever there is
+work and hands each step's outputs back to the caller's event loop in one batch. A forward
+pass therefore never blocks the event loop that serves HTTP.
+
+Closing a `generate` stream early (client disconnect, task cancellation, aclose) aborts its
+request in `finally`, which frees every KV block the request held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.replica.config import EngineConfig
+from iterserve.replica.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from iterserve.replica.llm_engine import LLMEngine
+from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.stats import EngineStats, StatLogger
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.25  # how often an idle loop refreshes its stats snapshot
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_children: int
+    num_finished: int = 0  # counted by the consumer
+    num_finished_sent: int = 0  # counted by the engine thread
+
+
+@dataclass
+class _Command:
+    run: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, start: bool = True) -> None:
+        self.engine = LLMEngine(config)
+        self.config = self.engine.config
+        self.model_name = self.engine.model_name
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stats = self.engine.stats()
+        self._draining = False
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ------------------------------------------------------------------------- public API
+    async def generate(
+        self,
+        prompt_token_ids: list[int] | str,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream output deltas of every child; raises before yielding on bad input."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._draining:
+            raise EngineDrainingError("the engine is draining and admits no new requests")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
+
+        def add(engine: LLMEngine) -> None:
+            bound = engine.config.scheduler.max_waiting_requests
+            waiting = engine.scheduler.num_waiting
+            if bound is not None and waiting >= bound:
+                raise QueueFullError(waiting)
+            engine.add_request(prompt_token_ids, sampling_params, request_id, priority)
+            self._streams[request_id] = stream
+
+        await asyncio.wrap_future(self._submit(add))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.num_finished += 1
+                    if stream.num_finished == stream.num_children:
+                        finished = True
+                        return
+        finally:
+            if not finished:
+                self._submit(lambda engine: self._abort(engine, request_id))
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._submit(lambda engine: self._abort(engine, request_id)))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (or idle tick); safe from any thread."""
+        return self._stats
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self._submit(lambda engine: engine.add_stat_logger(stat_logger))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (for inspection and tests)."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting and wait for in-flight requests; True if all finished in time."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._stats.num_running == 0 and self._stats.num_waiting == 0 and not self._streams:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    # ----------------------------------------------------------------------- engine thread
+    def _submit(self, run: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        command = _Command(run)
+        if self._dead is not None or self._stopped:
+            command.done.set_exception(EngineDeadError("the engine is not running"))
+            return command.done
+        self._commands.put(command)
+        self._wakeup.set()
+        return command.done
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+        engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                    self._stats = self.engine.stats()
+                else:
+                    self._stats = self.engine.stats()
+                    self._wakeup.wait(IDLE_WAIT_S)
+                    self._wakeup.clear()
+        except BaseException as error:  # noqa: BLE001 - every stream must learn the loop died
+            logger.exception("engine loop died")
+            self._dead = error
+            dead = EngineDeadError(f"the engine loop died: {error!r}")
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
+            self._streams.clear()
+            self._fail_pending_commands(dead)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command.done.set_result(command.run(self.engine))
+            except Exception as error:  # noqa: BLE001 - handed to the caller, not swallowed
+                command.done.set_exception(error)
+
+    def _fail_pending_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                self._commands.get_nowait().done.set_exception(error)
+            except queue.Empty:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+            if output.finished:
+                stream.num_finished_sent += 1
+                if stream.num_finished_sent == stream.num_children:
+                    self._streams.pop(output.request_id, None)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                # The caller's event loop is closed: nobody is listening, so free the requests.
+                for _, output in items:
+                    self._abort(self.engine, output.request_id)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, output in items:
+        q.put_nowait(output)

@@ -1,0 +1,190 @@
+"""The paged KV cache's bookkeeping: which physical blocks each request owns.
+
+Every block is either free (reference count 0, in `free_block_ids`) or used (reference count
+>= 1, held by one or more block tables). Free blocks that still hold a full, hashed block of
+tokens stay findable by the prefix cache until they are reused, least recently freed first.
+Invariant, checked by `check_invariants` in tests after every step:
+    num_free_blocks + num_used_blocks == num_total_blocks
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from iterserve.replica.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None  # set once the block is full and registered in the prefix cache
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is reuse order: uncached blocks at the front, cached ones LRU behind.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[BlockKey, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        # Per request: how many leading blocks are registered, and the hash chain so far.
+        self.num_registered: dict[str, tuple[int, int]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # prompt tokens found there
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ----------------------------------------------------------------------- prefix cache
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding the request's leading full blocks of tokens.
+
+        At least one token is always left to compute, so that the request samples.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return []
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent = 0
+        for i in range(max_blocks):
+            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            block_id = self.cached_blocks.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = hash(key)
+        return hits
+
+    def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Put the request's newly completed blocks into the prefix cache."""
+        table = self.block_tables[request.request_id]
+        start, parent = self.num_registered.get(request.request_id, (0, 0))
+        end = min(num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        tokens = request.all_token_ids
+        for i in range(start, end):
+            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            block = self.blocks[table[i]]
+            # An identical block may already be cached (two requests computed the same prefix
+            # at once); the first one stays the cache entry and this one stays private.
+            if block.key is None and key not in self.cached_blocks:
+                block.key = key
+                self.cached_blocks[key] = block.block_id
+            parent = hash(key)
+        self.num_registered[request.request_id] = (end, parent)
+
+    def mark_computed(self, request: Request) -> None:
+        """Called after a step computed tokens for the request: cache its full blocks."""
+        if self.enable_prefix_caching and request.request_id in self.block_tables:
+            self._register_full_blocks(request, request.num_computed_tokens)
+
+    # ------------------------------------------------------------------------- allocation
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
+        have = len(self.block_tables.get(request.request_id, ())) or num_hits
+        total_tokens = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        return max(0, self.num_blocks_for(total_tokens) - have)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        """Whether blocks for `num_new_tokens` more tokens (after any prefix hits) are free."""
+        hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.num_new_blocks_needed(request, num_new_tokens, len(hits))
+        return needed + hits_in_free_pool <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
+        """Give the request its prefix hits (first admission) and blocks for new tokens.
+
+        Sets request.num_computed_tokens past the hit blocks. Raises RuntimeError if the
+        caller did not check can_allocate first.
+        """
+        if not self.can_allocate(request, num_new_tokens, hits):
+            raise RuntimeError(f"out of KV blocks for request {request.request_id}")
+        table = self.block_tables.setdefault(request.request_id, [])
+        if hits:
+            if table:
+                raise RuntimeError("prefix hits are only taken at first admission")
+            for block_id in hits:
+                table.append(self._take(block_id, as_hit=True))
+            request.num_computed_tokens = len(hits) * self.block_size
+            self.num_registered[request.request_id] = (len(hits), hash(self.blocks[hits[-1]].key))
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        for _ in range(needed):
+            table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        """Return all of the request's blocks; cached ones stay findable until reused."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.num_registered.pop(request.request_id, None)
+        # Free the tail first so that a chain's later blocks are evicted before its head.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.key is None:
+                    self.free_block_ids.move_to_end(block_id, last=False)
+
+    def _take(self, block_id: int, as_hit: bool) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        if not as_hit and block.key is not None:
+            # Reused for new tokens: its cached contents are about to be overwritten.
+            del self.cached_blocks[block.key]
+            block.key = None
+        block.ref_count += 1
+        return block_id
+
+    # ------------------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the accounting is inconsistent."""
+        refs = [0] * self.num_total_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            in_free = block.block_id in self.free_block_ids
+            if block.ref_count != refs[block.block_id]:
+                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} "
+                                   f"but held by {refs[block.block_id]} tables")
+            if in_free != (block.ref_count == 0):
+                raise RuntimeError(f"block {block.block_id}: free={in_free}, refs={block.ref_count}")
+        if self.num_free_blocks + self.num_used_blocks != self.num_total_blocks:
+            raise RuntimeError("free + used != total")

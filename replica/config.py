@@ -1,0 +1,167 @@
+"""Frozen, validated configuration: one dataclass per layer.
+
+Names follow vLLM and TensorRT-LLM so that users' flags carry over (see ARCHITECTURE's table):
+max_num_seqs (max_batch_size), max_num_batched_tokens (max_num_tokens), enable_chunked_prefill
+(enable_chunked_context), gpu_memory_utilization (kv_cache_free_gpu_memory_fraction), block_size
+(tokens_per_block), scheduler_policy, batching. Every check raises ValueError, never assert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULER_POLICIES = ("fcfs", "priority", "guaranteed_no_evict", "max_utilization")
+BATCHING_MODES = ("continuous", "static")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+RUNNERS = ("model", "simulated")
+
+# TensorRT-LLM spellings accepted as aliases of the vLLM names.
+KWARG_ALIASES = {
+    "max_batch_size": "max_num_seqs",
+    "max_num_tokens": "max_num_batched_tokens",
+    "enable_chunked_context": "enable_chunked_prefill",
+    "kv_cache_free_gpu_memory_fraction": "gpu_memory_utilization",
+    "tokens_per_block": "block_size",
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry and how many blocks to allocate."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_bytes: int = 512 * 1024**2  # the KV budget when running on CPU
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of host memory for swapped blocks; recompute is the default
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
+        _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How each iteration's token budget is spent."""
+
+    max_num_seqs: int = 256
+    # None: 2048 with chunked prefill, else max(max_model_len, 2048) so any prompt fits a step.
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduler_policy: str = "fcfs"
+    batching: str = "continuous"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Admission window: admit waiting requests every step (0, 0), or only once
+    # `admission_min_free_slots` batch slots are free or `admission_max_wait_ms` has passed.
+    admission_min_free_slots: int = 0
+    admission_max_wait_ms: float = 0.0
+    max_waiting_requests: int | None = None  # bound of the waiting queue; None is unbounded
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.scheduler_policy in SCHEDULER_POLICIES,
+                 f"unknown scheduler_policy {self.scheduler_policy!r}; "
+                 f"choose one of {', '.join(SCHEDULER_POLICIES)}")
+        _require(self.batching in BATCHING_MODES,
+                 f"unknown batching {self.batching!r}; choose one of {', '.join(BATCHING_MODES)}")
+        _require(self.admission_min_free_slots >= 0, "admission_min_free_slots must be >= 0")
+        _require(self.admission_max_wait_ms >= 0, "admission_max_wait_ms must be >= 0")
+        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+                 f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        _require(self.max_model_len is None or self.max_model_len >= 1,
+                 f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None or self.max_model_len is None:
+            return  # resolved against the model by `resolved`, which validates again
+        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill a whole prompt must fit one step: "
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                 f"max_model_len ({self.max_model_len}); enable chunked prefill or raise it")
+
+    def resolved(self, model_max_len: int) -> SchedulerConfig:
+        """Fill the settings left to the model; a max_model_len above the model's is an error."""
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max_len}")
+        max_len = self.max_model_len or model_max_len
+        tokens = self.max_num_batched_tokens
+        if tokens is None:
+            tokens = 2048 if self.enable_chunked_prefill else max(max_len, 2048)
+        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one GPU) needs. Build it with `EngineConfig.from_kwargs`."""
+
+    model: str | None = None  # an HF checkpoint folder; None means the built-in default model
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    seed: int = 0
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # True disables CUDA graphs
+    runner: str = "model"  # "simulated" runs the calibrated cost model instead of a GPU
+    served_model_name: str | None = None
+    max_logprobs: int = 20
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"unknown attention_backend {self.attention_backend!r}; "
+                 f"choose one of {ATTENTION_BACKENDS}")
+        _require(self.runner in RUNNERS, f"unknown runner {self.runner!r}; choose one of {RUNNERS}")
+        _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat engine kwargs, accepting TensorRT-LLM aliases.
+
+        >>> EngineConfig.from_kwargs(max_num_seqs=8, block_size=32).cache.block_size
+        32
+        """
+        flat = {}
+        for key, value in kwargs.items():
+            name = KWARG_ALIASES.get(key, key)
+            if name in flat:
+                raise ValueError(f"{key!r} and {name!r} name the same setting; pass one")
+            flat[name] = value
+        groups: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}}
+        fields_of = {
+            "cache": {f.name for f in dataclasses.fields(CacheConfig)},
+            "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+            "engine": {f.name for f in dataclasses.fields(cls)} - {"cache", "scheduler"},
+        }
+        for name, value in flat.items():
+            group = next((g for g, names in fields_of.items() if name in names), None)
+            if group is None:
+                raise ValueError(f"unknown engine argument {name!r}")
+            groups[group][name] = value
+        return cls(
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            **groups["engine"],
+        )
+
+    def with_scheduler(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))
+
+    def with_cache(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))

@@ -1,0 +1,76 @@
+"""The offline entry point: `LLM(model=PATH, **engine_kwargs).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.replica.config import EngineConfig
+from iterserve.replica.llm_engine import LLMEngine
+from iterserve.replica.outputs import RequestOutput, TokenLogprobs
+from iterserve.replica.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion as one continuously batched workload.
+
+        `on_step`, if given, is called after every engine step (tests check invariants there).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = self.engine.add_request(ids, p)
+            results[request_id] = GenerationResult(
+                request_id, ids, [CompletionOutput(index=i) for i in range(p.n)]
+            )
+            order.append(request_id)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                _accumulate(results[output.request_id].outputs[output.index], output)
+            if on_step is not None:
+                on_step(self.engine)
+        return [results[request_id] for request_id in order]
+
+
+def _accumulate(target: CompletionOutput, delta: RequestOutput) -> None:
+    target.text += delta.new_text
+    target.token_ids += delta.new_token_ids
+    target.logprobs += delta.logprobs or []
+    if delta.finished:
+        target.finish_reason = delta.finish_reason
+        target.stop_reason = delta.stop_reason

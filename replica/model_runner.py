@@ -1,0 +1,169 @@
+"""The torch model runner: real weights, the paged KV cache, real kernels.
+
+It owns the device side of one engine: the model, one (k_cache, v_cache) pair per layer,
+and the sampler. `execute` turns a SchedulerOutput into a forward pass over the flat batch
+and samples one token for every request whose prefill or decode reached its last token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from iterserve.replica.attention_metadata import AttentionMetadata
+from iterserve.replica.config import EngineConfig
+from iterserve.replica.cuda_graphs import DecodeGraphRunner
+from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
+from iterserve.replica.loader import load_checkpoint
+from iterserve.replica.ops import select_ops
+from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
+from iterserve.replica.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.ops = select_ops(self.attention_backend)
+        self.model, self.model_config = load_checkpoint(model_path, self.dtype, self.device, self.ops)
+        self.vocab_size = self.model_config.vocab_size
+        self.block_size = config.cache.block_size
+        self.sampler = Sampler(config.seed, self.device)
+        self._num_blocks = self._decide_num_blocks()
+        shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
+                 self.model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model_config.num_hidden_layers)
+        ]
+        self.graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
+                                            max_batch_size=config.scheduler.max_num_seqs,
+                                            max_blocks_per_seq=-(-config.scheduler.max_model_len
+                                                                 // self.block_size))
+            self.graphs.capture()
+
+    # ------------------------------------------------------------------------------ memory
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def _decide_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return max(1, cache.cpu_kv_cache_bytes // self.kv_bytes_per_block)
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization of the GPU after a worst-case forward."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        mc, dev = self.model_config, self.device
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens,
+                         self.config.scheduler.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        scratch = [(torch.zeros(shape, dtype=self.dtype, device=dev),
+                    torch.zeros(shape, dtype=self.dtype, device=dev))
+                   for _ in range(mc.num_hidden_layers)]
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens, is_decode_only=False,
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+            hidden = self.model(ids, torch.arange(num_tokens, device=dev), scratch, attn)
+            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del scratch, hidden
+        _, total = torch.cuda.mem_get_info(dev)
+        budget = total * self.config.cache.gpu_memory_utilization - peak
+        blocks = int(budget // self.kv_bytes_per_block)
+        if blocks < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization="
+                f"{self.config.cache.gpu_memory_utilization}; raise it or use a smaller model"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, self.block_size,
+                    blocks * self.kv_bytes_per_block / 2**30)
+        return blocks
+
+    # ----------------------------------------------------------------------------- execute
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        prepared = prepare_inputs(scheduler_output, self.block_size)
+        hidden = self._forward(prepared)  # [T, hidden]
+        output = RunnerOutput()
+        if not prepared.sample_rows:
+            return output
+        indices = torch.from_numpy(prepared.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
+        requests = [scheduler_output.scheduled[i].request for i in prepared.sample_rows]
+        token_ids, logprobs = self.sampler.sample(logits, requests)
+        for request, token_id, lp in zip(requests, token_ids, logprobs, strict=True):
+            output.sampled_token_ids[request.request_id] = token_id
+            if lp is not None:
+                output.logprobs[request.request_id] = lp
+        return output
+
+    def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
+        if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
+            return self.graphs.run(prepared)
+        to = self.device
+        attn = AttentionMetadata(
+            query_start_loc=torch.from_numpy(prepared.query_start_loc).to(to),
+            seq_lens=torch.from_numpy(prepared.seq_lens).to(to),
+            block_tables=torch.from_numpy(prepared.block_tables).to(to),
+            slot_mapping=torch.from_numpy(prepared.slot_mapping).to(to),
+            max_query_len=prepared.max_query_len,
+            max_seq_len=prepared.max_seq_len,
+            is_decode_only=prepared.is_decode_only,
+        )
+        input_ids = torch.from_numpy(prepared.input_ids).to(to)
+        positions = torch.from_numpy(prepared.positions).to(to)
+        return self.model(input_ids, positions, self.kv_caches, attn)

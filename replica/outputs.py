@@ -1,0 +1,106 @@
+"""The records that pass between the scheduler, the runner and the engine's callers.
+
+One engine iteration is:
+    Scheduler.schedule() -> SchedulerOutput
+    ModelRunner.execute(SchedulerOutput) -> RunnerOutput
+    Scheduler.update(SchedulerOutput, RunnerOutput) -> list[Request] finished this step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.replica.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of this iteration.
+
+    The runner computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of
+    `request.all_token_ids`. When that reaches the end of the known tokens the runner samples
+    one new token for it (`samples` is True); a prefill chunk that stops short does not.
+    """
+
+    request: Request
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    num_new_tokens: int  # tokens to compute this step (a decode is 1)
+    block_table: list[int]  # physical blocks, enough for num_computed + num_new tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.num_computed_tokens > 0 and self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner must compute in one iteration: a flat batch of decodes and chunks.
+
+    `scheduled` holds decodes first, then prefill chunks, in the order the runner lays them
+    out. `preempted` and `finished_ids` are informational: their blocks were already freed.
+    The sum of `num_new_tokens` is at most max_num_batched_tokens and len(scheduled) at
+    most max_num_seqs.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    """The runner's answer for one SchedulerOutput, keyed by request id.
+
+    Only requests whose ScheduledRequest.samples is True appear in `sampled_token_ids`.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """A delta streamed to the caller for one (child) request.
+
+    `new_token_ids` / `new_text` hold only what is new since the previous output;
+    `finish_reason` is "stop", "length" or "abort" on the last output and None before.
+    """
+
+    request_id: str
+    index: int  # child index for n > 1, else 0
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

@@ -1,0 +1,93 @@
+"""A request as the scheduler sees it: token ids, how many are computed, and its status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from iterserve.replica.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISHED_STATUSES
+
+
+FINISHED_STATUSES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: a prompt, its generated tokens and its progress through the KV cache.
+
+    The single scheduling rule: num_computed_tokens catches up with num_tokens. A prefill is
+    the case num_tokens - num_computed_tokens > 1, a decode the case == 1; preemption resets
+    num_computed_tokens to 0 and keeps output_token_ids, so recompute replays them.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0  # lower value runs first under the priority policy (vLLM's convention)
+    eos_token_ids: frozenset[int] = frozenset()
+    index: int = 0  # child index when n > 1
+    parent_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate: its KV footprint at worst."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def token_id_at(self, position: int) -> int:
+        if position < self.num_prompt_tokens:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.num_prompt_tokens]

@@ -1,0 +1,112 @@
+"""Turn the last-position logits of a batch into one token per request.
+
+Order of operations, as in vLLM: penalties (repetition on prompt + output, frequency and
+presence on output) -> min_tokens masking of stop tokens -> logprobs (of the penalised
+distribution, before temperature) -> greedy argmax, or temperature, top_k, top_p, min_p and
+a draw from the request's own generator. A request with a seed owns a torch.Generator, so its
+samples do not depend on which requests share its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iterserve.replica.outputs import TokenLogprobs
+from iterserve.replica.request import Request
+from iterserve.replica.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            # Children of one n > 1 request draw different samples from one seed.
+            generator = torch.Generator(device=self.device).manual_seed(seed + request.index)
+            self.generators[request.request_id] = generator
+        return generator
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [S, V] float32, one row per sampling request
+        requests: list[Request],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logits = logits.float()
+        for row, request in enumerate(requests):
+            self._apply_penalties(logits[row], request)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        log_probs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+        for row, request in enumerate(requests):
+            if not request.sampling_params.is_greedy:
+                token_ids[row] = self._draw(logits[row], request)
+        chosen = token_ids.tolist()
+        for k, row in enumerate(want_logprobs):
+            num_top = requests[row].sampling_params.logprobs or 0
+            logprobs[row] = _token_logprobs(log_probs[k], chosen[row], num_top)
+        return chosen, logprobs
+
+    def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:  # row: [V]
+        params = request.sampling_params
+        vocab = row.shape[0]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(request.prompt_token_ids + request.output_token_ids,
+                                device=row.device).clamp_(0, vocab - 1).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                    values * params.repetition_penalty)
+        if (params.frequency_penalty or params.presence_penalty) and request.output_token_ids:
+            out = torch.tensor(request.output_token_ids, device=row.device).clamp_(0, vocab - 1)
+            counts = torch.bincount(out, minlength=vocab).to(row.dtype)  # [V]
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(request.eos_token_ids)
+            banned = [t for t in banned if 0 <= t < vocab]
+            if banned:
+                row[banned] = float("-inf")
+
+    def _draw(self, row: torch.Tensor, request: Request) -> int:  # row: [V]
+        params: SamplingParams = request.sampling_params
+        scaled = row / params.temperature
+        if params.top_k > 0 and params.top_k < scaled.shape[0]:
+            kth = torch.topk(scaled, params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if params.min_p > 0:
+            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            drop = cumulative - sorted_probs > params.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p with one generator call.
+        noise = torch.empty_like(probs).exponential_(generator=self._generator_for(request))
+        return int((probs / noise).argmax())
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    # row: [V] log-probabilities
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, indices = torch.topk(row, num_top)
+        top = list(zip(indices.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id=token_id, logprob=float(row[token_id]), top=top)

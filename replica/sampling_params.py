@@ -1,0 +1,70 @@
+"""Per-request sampling parameters, validated at construction with ValueError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, with vLLM's names and meanings.
+
+    temperature 0 is greedy. `seed` makes one request's samples reproducible whatever its
+    batch mates are. `n` > 1 runs n child requests that share the prompt's KV blocks.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token; None for none
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (self.logprobs is None or self.logprobs >= 0,
+             f"logprobs must be >= 0, got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be non-empty strings"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

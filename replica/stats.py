@@ -1,0 +1,64 @@
+"""What the engine reports after every iteration, for routers, autoscalers and metrics.
+
+Three records, all plain data: a snapshot of the engine (`EngineStats`), what happened in
+the iteration just run (`IterationStats`) and one record per request that finished in it
+(`FinishedRequestStats`). A `StatLogger` receives all three after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine, cheap to take and safe to send across processes."""
+
+    timestamp: float  # time.time() when taken
+    num_running: int
+    num_waiting: int  # includes preempted requests waiting to be recomputed
+    num_total_blocks: int
+    num_free_blocks: int  # blocks holding no live request (evictable cached blocks count)
+    kv_usage: float  # used / total blocks, in [0, 1]
+    num_preemptions: int  # cumulative
+    num_out_of_blocks: int  # cumulative: steps where a request could not get a block
+    last_step_tokens: int  # tokens computed in the last iteration
+    step_token_rate: float  # tokens computed per second over the recent window
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    max_waiting_requests: int | None = None
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    timestamp: float
+    step_time_s: float
+    num_prompt_tokens: int  # prefill tokens computed this step
+    num_generation_tokens: int  # tokens sampled this step
+    num_scheduled_requests: int
+    num_preempted: int
+    time_to_first_tokens_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reason: str  # stop, length or abort
+    e2e_latency_s: float  # arrival to finish
+    queue_time_s: float  # arrival to first admission
+    prefill_time_s: float  # first admission to first token
+    decode_time_s: float  # first token to finish
+    time_to_first_token_s: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int
+
+
+class StatLogger(Protocol):
+    def record(
+        self,
+        engine: EngineStats,
+        iteration: IterationStats,
+        finished: list[FinishedRequestStats],
+    ) -> None: ...
