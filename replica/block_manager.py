@@ -120,6 +120,10 @@ class BlockManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
         """Whether blocks for `num_new_tokens` more tokens (after any prefix hits) are free."""
+        if not hits:  # the per-step fast path of every running request
+            table = self.block_tables.get(request.request_id, ())
+            total = request.num_computed_tokens + num_new_tokens
+            return -(-total // self.block_size) - len(table) <= len(self.free_block_ids)
         hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.num_new_blocks_needed(request, num_new_tokens, len(hits))
         return needed + hits_in_free_pool <= self.num_free_blocks
@@ -130,7 +134,7 @@ class BlockManager:
         Sets request.num_computed_tokens past the hit blocks. Raises RuntimeError if the
         caller did not check can_allocate first.
         """
-        if not self.can_allocate(request, num_new_tokens, hits):
+        if hits and not self.can_allocate(request, num_new_tokens, hits):
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         table = self.block_tables.setdefault(request.request_id, [])
         if hits:
@@ -141,6 +145,8 @@ class BlockManager:
             request.num_computed_tokens = len(hits) * self.block_size
             self.num_registered[request.request_id] = (len(hits), hash(self.blocks[hits[-1]].key))
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        if needed > len(self.free_block_ids):
+            raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         for _ in range(needed):
             table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
 
