@@ -119,6 +119,9 @@ class EngineConfig:
     runner: str = "model"  # "simulated" runs the calibrated cost model instead of a GPU
     served_model_name: str | None = None
     max_logprobs: int = 20
+    # torch intra-op threads on CPU. One by default: a tiny model's ops are too small to split,
+    # and spinning worker threads collapse throughput when other processes share the cores.
+    cpu_threads: int | None = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -129,6 +132,7 @@ class EngineConfig:
                  f"choose one of {ATTENTION_BACKENDS}")
         _require(self.runner in RUNNERS, f"unknown runner {self.runner!r}; choose one of {RUNNERS}")
         _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -50,6 +50,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
         self.model, self.model_config = load_checkpoint(model_path, self.dtype, self.device, self.ops)
         self.vocab_size = self.model_config.vocab_size

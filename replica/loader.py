@@ -1,0 +1,114 @@
+"""Load an HF checkpoint folder: config.json, safetensors weights, generation_config.json.
+
+Every failure names the missing or mismatched thing: no config.json, no weights, an index that
+names a shard not on disk, tensors the model needs but the files lack, a shape mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from iterserve.replica.models import ModelConfig, build_model
+from iterserve.replica.ops import Ops
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What generation_config.json says about stopping (and defaults the API may show)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
+    return ModelConfig.from_hf_config(read_json(config_file))
+
+
+def read_generation_config(path: str | Path) -> GenerationConfig:
+    """generation_config.json if present (eos_token_id may be an int or a list), else defaults."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return GenerationConfig()
+    raw = read_json(file)
+    eos = raw.get("eos_token_id")
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    return GenerationConfig(
+        eos_token_ids=tuple(int(i) for i in eos_ids),
+        bos_token_id=raw.get("bos_token_id"),
+        temperature=raw.get("temperature"),
+        top_p=raw.get("top_p"),
+        top_k=raw.get("top_k"),
+    )
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the single file, or every shard the index names."""
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} in {folder} names shard(s) not on disk: "
+                                    f"{', '.join(missing)}")
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise FileNotFoundError(f"no weights in checkpoint folder {folder}: expected "
+                            f"model.safetensors, or shards with {INDEX_FILE}")
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in the files, one at a time to bound host memory."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # safe_open is not a mapping: keys() is required
+                yield name, f.get_tensor(name)
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    ops: Ops) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path`'s config.json and fill it from its safetensors."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    model_config = read_model_config(folder)
+    files = weight_files(folder)
+    model = build_model(model_config, dtype, device, ops)
+    with torch.no_grad():
+        model.load_weights(iter_weights(files))
+    return model, model_config
