@@ -75,14 +75,14 @@ def paged_attention(
             continue
         keys = gather_context(k_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
         values = gather_context(v_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
-        q = query[q_start:q_end].float()  # [q_len, Hq, D]
         # Group query heads under their shared KV head: [Hkv, group * q_len, D].
-        q = q.view(q_len, num_kv_heads, group, -1).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, -1, q.shape[-1])
+        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, -1).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * q_len, -1)
         scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [Hkv, group * q_len, L]
-        query_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)  # [group * q_len]
-        key_pos = torch.arange(seq_len)
-        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        if q_len > 1:  # a decode's single query sees its whole context: nothing to mask
+            query_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)  # [group * q_len]
+            key_pos = torch.arange(seq_len)
+            scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]
         o = o.view(num_kv_heads, group, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, num_heads, -1)

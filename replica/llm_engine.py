@@ -43,12 +43,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         model_path = Path(config.model) if config.model else default_model_path()
         model_config = read_model_config(model_path)
+        # Sliding-window attention is not implemented, so the window bounds the context.
+        model_max_len = min(model_config.max_position_embeddings,
+                            model_config.sliding_window or model_config.max_position_embeddings)
         config = dataclasses.replace(
             config,
             model=str(model_path),
             served_model_name=config.served_model_name or model_path.name,
-            scheduler=config.scheduler.resolved(model_config.max_position_embeddings),
+            scheduler=config.scheduler.resolved(model_max_len),
         )
+        model_config.verify_max_model_len(config.scheduler.max_model_len)
         self.config = config
         self.clock = clock
         self.model_name = config.served_model_name
