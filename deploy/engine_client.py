@@ -1,0 +1,148 @@
+"""How the HTTP layer reaches engines: over a Ray Serve handle, or in-process.
+
+`EngineClient` is the seam. `HandleEngineClient` is what the Serve ingress uses: it streams
+from `LLMReplica.generate` through `handle.options(stream=True)` and cancels the stream when
+the caller stops early. `LocalEngineClient` wraps an in-process `AsyncLLMEngine`; it serves
+the same FastAPI app without Ray (unit tests, debugging) and runs the same replica-side code
+(`stream_engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from iterserve.deploy.engine_info import describe_engine, stream_engine
+from iterserve.deploy.errors import EngineErrorInfo, OpenAIHTTPError, http_error_for
+from iterserve.deploy.protocol import ModelInfo, Tokenizer
+from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    async def model_info(self) -> ModelInfo: ...
+
+    async def tokenizer(self) -> Tokenizer: ...
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def replica_infos(self) -> list[dict[str, Any]]: ...
+
+
+def model_info_from(info: dict[str, Any]) -> ModelInfo:
+    return ModelInfo(
+        model_name=str(info["model_name"]),
+        model_path=info.get("model_path"),
+        max_model_len=int(info["max_model_len"]),
+        max_logprobs=int(info["max_logprobs"]),
+        vocab_size=info.get("vocab_size"),
+        config=dict(info.get("config") or {}),
+    )
+
+
+def load_tokenizer(model_path: str | None) -> Tokenizer:
+    """The engine's tokenizer, loaded from the model folder (the ingress has no engine)."""
+    from iterserve.replica.tokenizer import Tokenizer as EngineTokenizer
+
+    if model_path is None:
+        from iterserve.replica.make_model import default_model_path
+
+        model_path = str(default_model_path())
+    return EngineTokenizer.from_pretrained(model_path)
+
+
+class LocalEngineClient:
+    """An in-process AsyncLLMEngine behind the EngineClient seam."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def model_info(self) -> ModelInfo:
+        return model_info_from(describe_engine(self.engine))
+
+    async def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    async def replica_infos(self) -> list[dict[str, Any]]:
+        return [describe_engine(self.engine, {"replica_id": "local"})]
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority)
+        try:
+            async for item in stream:
+                if isinstance(item, EngineErrorInfo):
+                    raise item.to_http()
+                yield item
+        finally:
+            await stream.aclose()
+
+
+class HandleEngineClient:
+    """LLMReplica deployments reached through a Serve DeploymentHandle."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self._info: ModelInfo | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._lock = asyncio.Lock()
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            async with self._lock:
+                if self._info is None:
+                    try:
+                        raw = await self._handle.info.remote()
+                    except Exception as error:  # noqa: BLE001 - mapped to an HTTP error
+                        raise http_error_for(error) from error
+                    self._info = model_info_from(raw)
+        return self._info
+
+    async def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            info = await self.model_info()
+            tokenizer = await asyncio.to_thread(load_tokenizer, info.model_path)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+    async def replica_infos(self) -> list[dict[str, Any]]:
+        """Every running replica's description (control plane only: a broadcast)."""
+        results = await self._handle.broadcast("info").results_async(return_exceptions=True)
+        infos = []
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("a replica did not answer info(): %s", type(result).__name__)
+                continue
+            infos.append(result)
+        return infos
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
+                                                  priority)
+        complete = False
+        try:
+            async for item in gen:
+                if isinstance(item, EngineErrorInfo):
+                    complete = True
+                    raise item.to_http()
+                yield item
+            complete = True
+        except (OpenAIHTTPError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as error:  # noqa: BLE001 - Ray errors become HTTP errors
+            complete = True
+            logger.warning("request %s failed in the replica: %s", request_id,
+                           type(error).__name__)
+            raise http_error_for(error) from error
+        finally:
+            if not complete:
+                # The caller stopped early (disconnect, error elsewhere): cancel the replica's
+                # generator; Serve injects CancelledError there, which aborts the request.
+                gen.cancel()

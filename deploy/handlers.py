@@ -1,0 +1,301 @@
+"""Completions and chat completions: run the engine streams, build bodies and SSE chunks.
+
+The first engine output (or error) is awaited BEFORE a streaming response starts, so that a
+full queue is a 429 and a bad request a 400 even with `stream: true`. Errors after the first
+chunk are sent as an SSE `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from iterserve.deploy.engine_client import EngineClient
+from iterserve.deploy.errors import OpenAIHTTPError, http_error_for
+from iterserve.deploy.protocol import (
+    ChoiceState,
+    ModelInfo,
+    TokenText,
+    UsageCounter,
+    chat_logprobs,
+    chat_prompt,
+    check_prompt,
+    completion_logprobs,
+    completion_prompts,
+    sampling_params,
+)
+from iterserve.deploy.schemas import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    now_s,
+    random_id,
+)
+from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Indexed = tuple[int, RequestOutput]  # (prompt index, delta)
+_DONE = object()
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Indexed]:
+    """Interleave several engine streams; closing the merge closes (aborts) all of them."""
+    if len(streams) == 1:
+        stream = streams[0]
+        try:
+            async for out in stream:
+                yield 0, out
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, raised there
+            queue.put_nowait((index, error))
+            return
+        queue.put_nowait((index, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Job:
+    """One HTTP request's engine work: the prompts, their params and the merged stream."""
+
+    request_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+
+    def open(self, client: EngineClient, priority: int) -> AsyncIterator[Indexed]:
+        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority)
+                   for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]
+        return merge_streams(streams)
+
+
+async def _first(stream: AsyncIterator[Indexed]) -> Indexed | None:
+    """The first delta, or None when the stream is empty; errors surface here as HTTP."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    except OpenAIHTTPError:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+    except Exception as error:  # noqa: BLE001 - every failure becomes an OpenAI error body
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise http_error_for(error) from error
+
+
+async def _replay(first: Indexed | None, stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _sse_events(chunks: AsyncIterator[str], stream: AsyncIterator[Indexed]
+                      ) -> AsyncIterator[str]:
+    """Wrap chunk JSON into SSE; errors become an error event; always closes the engine."""
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported in-band: headers are already sent
+        http_error = http_error_for(error)
+        if http_error.status_code >= 500:
+            logger.warning("stream failed: %s", type(error).__name__)
+        yield _sse(json.dumps(http_error.body()))
+    else:
+        yield _sse("[DONE]")
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+async def create_completion(req: CompletionRequest, client: EngineClient, info: ModelInfo
+                            ) -> JSONResponse | StreamingResponse:
+    tokenizer = await client.tokenizer()
+    prompts = completion_prompts(req, tokenizer)
+    params = []
+    for ids in prompts:
+        check_prompt(ids, info)
+        params.append(sampling_params(req, len(ids), info))
+    job = Job(random_id("cmpl"), now_s(), info.model_name, prompts, params, req.n)
+    echo = [tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
+            for ids in prompts]
+    stream = job.open(client, req.priority)
+    first = await _first(stream)
+    token_text = TokenText(tokenizer)
+    if req.stream:
+        chunks = _completion_chunks(req, job, echo, token_text, _replay(first, stream))
+        return _streaming_response(_sse_events(chunks, stream))
+    states = {i: ChoiceState() for i in range(len(prompts) * req.n)}
+    usage = UsageCounter()
+    async for p, out in _replay(first, stream):
+        index = p * req.n + out.index
+        states[index].add(out)
+        usage.add(p, index, out)
+    choices = []
+    for index, state in states.items():
+        prefix = echo[index // req.n]
+        logprobs = (completion_logprobs(state.logprobs, token_text, len(prefix))
+                    if req.logprobs is not None else None)
+        choices.append(CompletionChoice(index=index, text=prefix + state.text,
+                                        logprobs=logprobs, finish_reason=state.finish_reason,
+                                        stop_reason=state.stop_reason))
+    body = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                              choices=choices, usage=usage.usage())
+    return JSONResponse(body.model_dump(exclude_none=False))
+
+
+async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
+                             token_text: TokenText, stream: AsyncIterator[Indexed]
+                             ) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    offsets: dict[int, int] = {}
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def chunk(choice: CompletionChoice) -> str:
+        body = CompletionStreamResponse(id=job.request_id, created=job.created,
+                                        model=job.model, choices=[choice],
+                                        usage=usage.usage() if continuous else None)
+        return body.model_dump_json()
+
+    async for p, out in stream:
+        index = p * req.n + out.index
+        usage.add(p, index, out)
+        text = out.new_text
+        if index not in offsets:
+            text = echo[p] + text
+            offsets[index] = len(echo[p])
+        logprobs = None
+        if req.logprobs is not None and out.logprobs:
+            logprobs = completion_logprobs(out.logprobs, token_text, offsets[index])
+            offsets[index] += sum(len(t) for t in logprobs.tokens)
+        if text or logprobs is not None or out.finished:
+            yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                         finish_reason=out.finish_reason if out.finished else None,
+                                         stop_reason=out.stop_reason if out.finished else None))
+    if req.include_usage:
+        final = CompletionStreamResponse(id=job.request_id, created=job.created,
+                                         model=job.model, choices=[], usage=usage.usage())
+        yield final.model_dump_json()
+
+
+# ------------------------------------------------------------------------------------ chat
+
+
+async def create_chat_completion(req: ChatCompletionRequest, client: EngineClient,
+                                 info: ModelInfo) -> JSONResponse | StreamingResponse:
+    tokenizer = await client.tokenizer()
+    ids = chat_prompt(req, tokenizer)
+    check_prompt(ids, info)
+    params = sampling_params(req, len(ids), info)
+    job = Job(random_id("chatcmpl"), now_s(), info.model_name, [ids], [params], req.n)
+    stream = job.open(client, req.priority)
+    first = await _first(stream)
+    token_text = TokenText(tokenizer)
+    num_top = req.top_logprobs or 0
+    if req.stream:
+        chunks = _chat_chunks(req, job, token_text, _replay(first, stream))
+        return _streaming_response(_sse_events(chunks, stream))
+    states = {i: ChoiceState() for i in range(req.n)}
+    usage = UsageCounter()
+    async for _, out in _replay(first, stream):
+        states[out.index].add(out)
+        usage.add(0, out.index, out)
+    choices = [
+        ChatChoice(index=i, message=ChatResponseMessage(content=s.text),
+                   logprobs=chat_logprobs(s.logprobs, token_text, num_top)
+                   if req.logprobs else None,
+                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+        for i, s in states.items()
+    ]
+    body = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                                  choices=choices, usage=usage.usage())
+    return JSONResponse(body.model_dump())
+
+
+async def _chat_chunks(req: ChatCompletionRequest, job: Job, token_text: TokenText,
+                       stream: AsyncIterator[Indexed]) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    started: set[int] = set()
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    num_top = req.top_logprobs or 0
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        body = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
+                                   choices=[choice],
+                                   usage=usage.usage() if continuous else None)
+        return body.model_dump_json()
+
+    async for _, out in stream:
+        usage.add(0, out.index, out)
+        if out.index not in started:
+            started.add(out.index)
+            yield chunk(ChatStreamChoice(index=out.index,
+                                         delta=DeltaMessage(role="assistant", content="")))
+        logprobs = (chat_logprobs(out.logprobs, token_text, num_top)
+                    if req.logprobs and out.logprobs else None)
+        if out.new_text or logprobs is not None:
+            yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.new_text),
+                                         logprobs=logprobs))
+        if out.finished:
+            yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(),
+                                         finish_reason=out.finish_reason,
+                                         stop_reason=out.stop_reason))
+    if req.include_usage:
+        final = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
+                                    choices=[], usage=usage.usage())
+        yield final.model_dump_json()

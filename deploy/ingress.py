@@ -1,0 +1,50 @@
+"""OpenAIIngress: the Serve ingress deployment in front of the LLMReplica deployment.
+
+The FastAPI app is built per replica at init time (`@serve.ingress()` with
+`__serve_build_asgi_app__`, Ray Serve 2.60), so API keys and the body limit are constructor
+arguments rather than module globals. The ingress tokenizes, applies the chat template and
+checks the prompt length; the replicas only ever see token ids and SamplingParams.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from iterserve.deploy.auth import load_api_keys
+from iterserve.deploy.engine_client import HandleEngineClient
+from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES, IngressSettings, create_app
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(
+    name="OpenAIIngress",
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=10,
+)
+@serve.ingress()
+class OpenAIIngress:
+    """HTTP edge: auth, validation, tokenization; streams from LLMReplica over a handle."""
+
+    async def __init__(
+        self,
+        engine: DeploymentHandle,
+        api_keys: tuple[Any, ...] = (),
+        api_key_file: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        model_aliases: tuple[str, ...] = (),
+    ) -> None:
+        keys = load_api_keys(api_keys, api_key_file)
+        self._settings = IngressSettings(api_keys=keys, max_body_bytes=max_body_bytes,
+                                         model_aliases=tuple(model_aliases))
+        self._client = HandleEngineClient(engine)
+        logger.info("OpenAIIngress ready: %r", self._settings)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self._client, self._settings)

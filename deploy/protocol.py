@@ -1,0 +1,242 @@
+"""Pure translation between the OpenAI bodies and the engine's records (no Ray, no HTTP).
+
+Requests become (prompt token ids, SamplingParams) after the checks that depend on the
+engine: context length, max_logprobs. RequestOutput deltas become OpenAI choices, chunks,
+logprobs and usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from iterserve.deploy.errors import bad_request
+from iterserve.deploy.schemas import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    UsageInfo,
+)
+from iterserve.replica.outputs import RequestOutput, TokenLogprobs
+from iterserve.replica.sampling_params import SamplingParams
+
+
+class Tokenizer(Protocol):
+    """What the ingress needs from the engine's tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress knows about the model served by the replicas."""
+
+    model_name: str
+    model_path: str | None
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # flat engine config values
+
+
+# ------------------------------------------------------------------------------- requests
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Every prompt of a completion request as token ids (a request may batch prompts)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompt]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt)
+    except (ValueError, TypeError, KeyError) as error:  # template rejected the conversation
+        raise bad_request(f"messages: the chat template rejected them: {error}",
+                          param="messages") from error
+    # The template already carries the special tokens (BOS ...): don't add them twice.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_prompt(token_ids: list[int], info: ModelInfo) -> None:
+    if not token_ids:
+        raise bad_request("The prompt is empty.", param="prompt")
+    if info.vocab_size is not None and any(t < 0 or t >= info.vocab_size for t in token_ids):
+        raise bad_request(f"Prompt token ids must be in [0, {info.vocab_size}).",
+                          param="prompt")
+    if len(token_ids) >= info.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {info.max_model_len} tokens. However, "
+            f"your prompt has {len(token_ids)} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt.", param="prompt")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, info: ModelInfo,
+                       param: str = "max_tokens") -> int:
+    room = info.max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {info.max_model_len} tokens. However, "
+            f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+            f"{requested} for the completion). Please reduce the length of the prompt or "
+            f"of the completion.", param=param)
+    return requested
+
+
+def _check_logprobs(num: int | None, info: ModelInfo, param: str) -> None:
+    if num is not None and num > info.max_logprobs:
+        raise bad_request(f"{param} must be at most {info.max_logprobs}, got {num}.",
+                          param=param)
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, prompt_len: int, info: ModelInfo
+) -> SamplingParams:
+    """SamplingParams for one prompt; ValueError from SamplingParams becomes a 400."""
+    if isinstance(req, ChatCompletionRequest):
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = resolve_max_tokens(req.effective_max_tokens(), prompt_len, info, param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        _check_logprobs(logprobs, info, "top_logprobs")
+    else:
+        max_tokens = resolve_max_tokens(req.max_tokens, prompt_len, info)
+        logprobs = req.logprobs
+        _check_logprobs(logprobs, info, "logprobs")
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens}).",
+                          param="min_tokens")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            repetition_penalty=req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=tuple(req.stop_list()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from error
+
+
+# ------------------------------------------------------------------------------ responses
+
+
+class TokenText:
+    """Token id -> display string, cached (logprobs name every token)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def completion_logprobs(items: list[TokenLogprobs], token_text: TokenText,
+                        start_offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = start_offset
+    for item in items:
+        token = token_text(item.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(item.logprob))
+        out.text_offset.append(offset)
+        offset += len(token)
+        out.top_logprobs.append({token_text(t): _finite(lp) for t, lp in item.top} or None)
+    return out
+
+
+def chat_logprobs(items: list[TokenLogprobs], token_text: TokenText,
+                  num_top: int) -> ChatLogprobs:
+    content = []
+    for item in items:
+        token = token_text(item.token_id)
+        top = [TopLogprob(token=token_text(t), logprob=_finite(lp),
+                          bytes=list(token_text(t).encode()))
+               for t, lp in item.top[:num_top]]
+        content.append(ChatTokenLogprob(token=token, logprob=_finite(item.logprob),
+                                        bytes=list(token.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: clamp like vLLM does."""
+    return max(float(value), -9999.0)
+
+
+@dataclass
+class ChoiceState:
+    """One choice being accumulated from deltas (non-streaming) or tracked (streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_output_tokens: int = 0
+    sent_role: bool = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+
+@dataclass
+class UsageCounter:
+    """prompt tokens once per prompt, completion tokens summed over choices."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
+    completion_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens
+
+    def add(self, prompt_index: int, choice_index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = out.num_prompt_tokens
+        self.completion_tokens[choice_index] = max(
+            self.completion_tokens.get(choice_index, 0), out.num_output_tokens)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(self.completion_tokens.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)

@@ -1,0 +1,149 @@
+"""LLMReplica: the Serve deployment that owns one AsyncLLMEngine (one GPU, or CPU).
+
+`generate` is an async generator: when the caller goes away Serve injects CancelledError into
+it (Ray Serve 2.60 `_call_generator_async` -> `gen.athrow`), and `stream_engine` closes the
+engine's generator and aborts the request so its KV blocks are freed. Engine errors raised
+before the first output are yielded as `EngineErrorInfo` records rather than raised, so they
+cross the handle intact (no RayTaskError wrapping).
+
+`record_routing_stats` / `record_autoscaling_stats` return `load_signals(engine.stats())`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from iterserve.deploy.engine_info import describe_engine, load_signals, stream_engine
+from iterserve.deploy.errors import EngineErrorInfo
+from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMReplica", "load_signals", "replica_actor_options"]
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def replica_actor_options(num_gpus: float | None = None, num_cpus: float | None = None
+                          ) -> dict[str, float]:
+    """One GPU per replica where the cluster has GPUs, else a share of the CPUs."""
+    if num_gpus is None:
+        num_gpus = 1.0 if _cluster_has_gpus() else 0.0
+    options: dict[str, float] = {"num_gpus": float(num_gpus)}
+    options["num_cpus"] = float(num_cpus if num_cpus is not None else (1.0 if num_gpus else 0.5))
+    return options
+
+
+def _cluster_has_gpus() -> bool:
+    """GPUs in the connected Ray cluster; before ray.init (`serve run mod:app`), this host's."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
+    """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
+    try:
+        from iterserve.dashboards.metrics import PrometheusStatLogger
+    except ImportError:
+        logger.warning("iterserve.dashboards.metrics unavailable: engine metrics are off")
+        return None
+    stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id)
+    engine.add_stat_logger(stat_logger)
+    return stat_logger
+
+
+@serve.deployment(
+    name="LLMReplica",
+    max_ongoing_requests=256,
+    graceful_shutdown_wait_loop_s=1.0,
+    graceful_shutdown_timeout_s=DEFAULT_DRAIN_TIMEOUT_S + 5,
+    health_check_period_s=10,
+)
+class LLMReplica:
+    """One engine per replica; streams RequestOutput deltas to the ingress."""
+
+    async def __init__(self, model: str | None = None,
+                       engine_kwargs: dict[str, Any] | None = None,
+                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        from iterserve.replica import AsyncLLMEngine, EngineConfig
+
+        config = EngineConfig.from_kwargs(model=model, **(engine_kwargs or {}))
+        self.engine = AsyncLLMEngine(config)
+        self._replica_id = self._current_replica_id()
+        self._stat_logger = _install_stat_logger(self.engine, self._replica_id)
+        self._drain_timeout_s = drain_timeout_s
+        self._num_requests = 0
+        self._num_cancelled = 0  # streams closed before their end (disconnects)
+        self._closed = False
+        logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
+
+    @staticmethod
+    def _current_replica_id() -> str:
+        try:
+            return serve.get_replica_context().replica_id.unique_id
+        except RuntimeError:  # outside Serve (local testing)
+            return f"pid-{os.getpid()}"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
+        """Stream one request's deltas; early close (disconnect) aborts it."""
+        self._num_requests += 1
+        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority)
+        complete = False
+        try:
+            async for item in stream:
+                yield item
+            complete = True
+        finally:
+            if not complete:
+                self._num_cancelled += 1
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def info(self) -> dict[str, Any]:
+        """Model, resolved engine config and live stats (the ingress and tests read it)."""
+        extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
+                 "num_cancelled": self._num_cancelled}
+        return describe_engine(self.engine, extra)
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Polled by the Serve controller for the request router (KVAwareRouter)."""
+        return load_signals(self.engine.stats(), self.engine.is_draining)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""
+        return load_signals(self.engine.stats(), self.engine.is_draining)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Stop admitting new requests and wait for the in-flight ones."""
+        await self.engine.drain(self._drain_timeout_s if timeout_s is None else timeout_s)
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop admitting, drain, then free the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.wait_for(self.engine.drain(self._drain_timeout_s),
+                                   self._drain_timeout_s + 1)
+        except (asyncio.TimeoutError, RuntimeError) as error:
+            logger.warning("drain did not finish cleanly: %s", error)
+        finally:
+            self.engine.shutdown()
+            if self._stat_logger is not None:
+                self._stat_logger.close()
