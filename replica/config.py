@@ -71,6 +71,9 @@ class SchedulerConfig:
     admission_min_free_slots: int = 0
     admission_max_wait_ms: float = 0.0
     max_waiting_requests: int | None = None  # bound of the waiting queue; None is unbounded
+    # Static batching keeps finished rows as padding until the batch's longest request ends,
+    # as HF generate and FasterTransformer do; False lets them leave at once.
+    static_batch_padding: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

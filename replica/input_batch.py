@@ -58,13 +58,16 @@ def prepare_inputs(output: SchedulerOutput, block_size: int) -> PreparedInputs:
         if n == 1:  # the common decode case
             input_ids.append(request.token_id_at(start))
             positions.append(start)
-            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            if s.is_padding:
+                slot_mapping.append(-1)
+            else:
+                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
         else:
             input_ids.extend(_token_slice(request, start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size
                                 for p in range(start, end))
-        if end >= request.num_tokens:
+        if end >= request.num_tokens and not s.is_padding:
             sample_rows.append(i)
     query_start = np.array(query_start_loc, dtype=np.int32)
     return PreparedInputs(

@@ -26,10 +26,14 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_new_tokens: int  # tokens to compute this step (a decode is 1)
     block_table: list[int]  # physical blocks, enough for num_computed + num_new tokens
+    # A finished row of a static batch, recomputed only to keep the batch's shape: its key
+    # and value are not written (slot -1) and nothing is sampled.
+    is_padding: bool = False
 
     @property
     def samples(self) -> bool:
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        return (not self.is_padding
+                and self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens)
 
     @property
     def is_decode(self) -> bool:

@@ -18,7 +18,12 @@ Policies only change who is admitted and who is preempted:
     guaranteed_no_evict  admit only if prompt + max_tokens fit beside every running
                          request's worst case; never preempt
 Static batching (`batching="static"`) admits a batch only when nothing is running and never
-admits mid-batch; everything else is the same code, so the two compare fairly.
+admits mid-batch; everything else is the same code, so the two compare fairly. As in the
+static batching of HF `generate` and FasterTransformer, the batch keeps its shape until its
+longest request finishes: a finished request keeps its slot and its KV blocks and is computed
+as a padding row (one token a step, output discarded) until the batch ends
+(`static_batch_padding=False` lets finished rows leave at once instead). Padding rows give
+their blocks back early only if a live request of the batch would otherwise be preempted.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_out_of_blocks = 0
-        self._static_batch: set[str] = set()  # the batch being served under static batching
+        self._static_batch: set[str] = set()  # live requests of the static batch being served
+        self._padding_rows: list[Request] = []  # finished rows of that batch, still holding KV
         self._last_admission = clock()
 
     # --------------------------------------------------------------------------- queries
@@ -142,16 +148,30 @@ class Scheduler:
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stop, length or abort) and return all of its blocks at once."""
+        """End a request (stop, length or abort) and return its blocks (see static padding)."""
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
         request.finished_time = self.clock()
-        self.block_manager.free(request)
+        in_static_batch = request.request_id in self._static_batch
         self._static_batch.discard(request.request_id)
         self.requests.pop(request.request_id, None)
+        pads = (in_static_batch and self.config.static_batch_padding
+                and status != RequestStatus.FINISHED_ABORTED
+                and request.num_computed_tokens > 0)
+        if pads:
+            self._padding_rows.append(request)
+        else:
+            self.block_manager.free(request)
+        if not self._static_batch:
+            self._release_padding_rows()
+
+    def _release_padding_rows(self) -> None:
+        for row in self._padding_rows:
+            self.block_manager.free(row)
+        self._padding_rows.clear()
 
     # ---------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -183,8 +203,24 @@ class Scheduler:
             budget -= num_new
         if not output.preempted:
             budget = self._admit_waiting(output, budget)
+        budget = self._schedule_padding_rows(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return output
+
+    def _schedule_padding_rows(self, output: SchedulerOutput, budget: int) -> int:
+        """Static batching's padding: each finished row recomputes its last position."""
+        for row in self._padding_rows:
+            if budget == 0 or len(output.scheduled) >= self.config.max_num_seqs:
+                break
+            output.scheduled.append(ScheduledRequest(
+                request=row,
+                num_computed_tokens=row.num_computed_tokens - 1,
+                num_new_tokens=1,
+                block_table=self.block_manager.block_table(row.request_id),
+                is_padding=True,
+            ))
+            budget -= 1
+        return budget
 
     def _tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_uncomputed_tokens
@@ -211,6 +247,9 @@ class Scheduler:
     ) -> bool:
         """Preempt until `request` can grow by num_new tokens; False if it was preempted."""
         while not self.block_manager.can_allocate(request, num_new):
+            if self._padding_rows:
+                self._release_padding_rows()  # padding is worth less than a live request
+                continue
             self.num_out_of_blocks += 1
             if self.config.scheduler_policy == "guaranteed_no_evict":
                 return False  # admission reserved the worst case, so this is transient
@@ -264,8 +303,13 @@ class Scheduler:
             hits = self.block_manager.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.block_manager.block_size
             num_new = self._tokens_to_compute_after(request, num_hit_tokens, budget)
-            if num_new == 0 or not self._fits_policy(request, num_new, hits):
+            if num_new == 0:
                 break
+            if not self._fits_policy(request, num_new, hits):
+                if not self._padding_rows:
+                    break
+                self._release_padding_rows()
+                continue
             self.waiting.pop()
             if request.admitted_time is None:
                 self.block_manager.record_prefix_lookup(request.num_prompt_tokens, num_hit_tokens)
@@ -314,8 +358,8 @@ class Scheduler:
         updated: list[Request] = []
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request.status != RequestStatus.RUNNING or scheduled.is_padding:
+                continue  # aborted while the step ran, or a static batch's padding row
             request.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.mark_computed(request)
             token_id = runner_output.sampled_token_ids.get(request.request_id)

@@ -272,3 +272,35 @@ def test_random_workloads_keep_invariants_and_finish(
             assert r.num_output_tokens == min(r.sampling_params.max_tokens,
                                               max_len - r.num_prompt_tokens)
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_static_batch_pads_finished_rows_until_its_longest_request_ends() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2, batching="static")
+    short, long = make_request(4, 2), make_request(4, 8)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    while not short.is_finished:
+        output = scheduler.schedule()
+        scheduler.update(output, runner.execute(output))
+    held = scheduler.block_manager.block_table(short.request_id)
+    assert held, "a finished row keeps its blocks while the batch runs"
+    output = scheduler.schedule()
+    padding = [s for s in output.scheduled if s.is_padding]
+    assert [s.request for s in padding] == [short] and not padding[0].samples
+    scheduler.update(output, runner.execute(output))
+    assert short.num_output_tokens == 2  # padding produced nothing
+    run_to_completion(scheduler, runner)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_static_batch_without_padding_frees_rows_at_once() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2, batching="static",
+                                       static_batch_padding=False)
+    short, long = make_request(4, 2), make_request(4, 8)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    while not short.is_finished:
+        output = scheduler.schedule()
+        scheduler.update(output, runner.execute(output))
+    assert scheduler.block_manager.block_table(short.request_id) == []
+    assert not any(s.is_padding for s in scheduler.schedule().scheduled)
