@@ -80,8 +80,10 @@ def paged_attention(
         q = q.reshape(num_kv_heads, group * q_len, -1)
         scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [Hkv, group * q_len, L]
         if q_len > 1:  # a decode's single query sees its whole context: nothing to mask
-            query_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)  # [group * q_len]
-            key_pos = torch.arange(seq_len)
+            # On the scores' device: a CPU mask on CUDA scores is a device-mismatch error.
+            device = scores.device
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device).repeat(group)
+            key_pos = torch.arange(seq_len, device=device)
             scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]

@@ -22,6 +22,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool  # every query length is 1: the split-KV decode kernel applies
+    # Run decode attention split across the context (flash-decoding): set by the runner for
+    # decode-only batches too small to fill the GPU.
+    use_split_kv: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -10,6 +10,7 @@ Only used on CUDA; the CPU path never constructs this class.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,9 @@ class DecodeGraphRunner:
         device: torch.device,
         max_batch_size: int,
         max_blocks_per_seq: int,
+        split_kv_for: Callable[[int, int], bool],
     ) -> None:
+        self.split_kv_for = split_kv_for  # (batch size, max context) -> use split-KV decode
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -47,6 +50,7 @@ class DecodeGraphRunner:
         self.pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
+        max_seq_len = self.max_blocks * self.kv_caches[0][0].shape[1]
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
@@ -54,8 +58,9 @@ class DecodeGraphRunner:
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
             # Kernels size their grids from this, so capture for the longest context.
-            max_seq_len=self.max_blocks * self.kv_caches[0][0].shape[1],
+            max_seq_len=max_seq_len,
             is_decode_only=True,
+            use_split_kv=self.split_kv_for(size, max_seq_len),
         )
 
     @torch.inference_mode()

@@ -56,6 +56,8 @@ class ModelRunner:
         self.model, self.model_config = load_checkpoint(model_path, self.dtype, self.device, self.ops)
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 0)
         self.sampler = Sampler(config.seed, self.device)
         self._num_blocks = self._decide_num_blocks()
         shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
@@ -70,7 +72,8 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
                                             max_batch_size=config.scheduler.max_num_seqs,
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
-                                                                 // self.block_size))
+                                                                 // self.block_size),
+                                            split_kv_for=self._split_kv_for)
             self.graphs.capture()
 
     # ------------------------------------------------------------------------------ memory
@@ -153,6 +156,19 @@ class ModelRunner:
                 output.logprobs[request.request_id] = lp
         return output
 
+    def _use_split_kv(self, prepared: PreparedInputs) -> bool:
+        return prepared.is_decode_only and self._split_kv_for(len(prepared.seq_lens),
+                                                              prepared.max_seq_len)
+
+    def _split_kv_for(self, num_seqs: int, max_seq_len: int) -> bool:
+        """Whether a decode-only batch of this shape runs split-KV (flash-decoding)."""
+        if self.attention_backend != "triton" or self.device.type != "cuda":
+            return False
+        from iterserve.kernels.ops import use_split_kv
+
+        return use_split_kv(num_seqs, self.model_config.num_key_value_heads, max_seq_len, 1,
+                            self.num_sms)
+
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
             return self.graphs.run(prepared)
@@ -165,6 +181,7 @@ class ModelRunner:
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
+            use_split_kv=self._use_split_kv(prepared),
         )
         input_ids = torch.from_numpy(prepared.input_ids).to(to)
         positions = torch.from_numpy(prepared.positions).to(to)

@@ -25,6 +25,8 @@ class Ops:
     fused_add_rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., Any]
+    # (query [S, Hq, D], k_cache, v_cache, seq_lens, block_tables, scale) -> [S, Hq, D]
+    paged_decode_attention: Callable[..., Any]
 
 
 def _from_module(name: str, module: ModuleType) -> Ops:
@@ -36,7 +38,13 @@ def _from_module(name: str, module: ModuleType) -> Ops:
         fused_add_rms_norm=module.fused_add_rms_norm,
         rotary_embedding=module.rotary_embedding,
         silu_and_mul=module.silu_and_mul,
+        paged_decode_attention=getattr(module, DECODE_ATTENTION_NAMES[name]),
     )
+
+
+# The decode-only attention: flash-decoding split-KV on Triton, its reference on torch.
+DECODE_ATTENTION_NAMES = {"torch": "paged_decode_attention",
+                          "triton": "paged_decode_attention_split_kv"}
 
 
 def select_ops(attention_backend: str) -> Ops:

@@ -1,11 +1,18 @@
-"""Suite-wide settings.
+"""Suite-wide settings, applied before any test module imports triton or builds a model.
 
-One torch thread: the tiny models' ops are too small to split, and on a shared 2-core box
-spinning intra-op threads make timings erratic (a decode step went from 6 ms to 400 ms).
+* Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
+  triton is first imported, since triton's own helpers are bound at import.
+* One torch thread: the tiny models' ops are too small to split, and on a shared 2-core box
+  spinning intra-op threads make timings erratic (a decode step went from 6 ms to 400 ms).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)

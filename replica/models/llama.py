@@ -62,8 +62,12 @@ class LlamaAttention(nn.Module):
         self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens,
-                                       attn.block_tables, self.scale)  # [T, Hq, D]
+        if attn.use_split_kv:
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, attn.seq_lens,
+                                                  attn.block_tables, self.scale)  # [T, Hq, D]
+        else:
+            out = self.ops.paged_attention(q, k_cache, v_cache, attn.query_start_loc,
+                                           attn.seq_lens, attn.block_tables, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

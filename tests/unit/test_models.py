@@ -211,7 +211,11 @@ def test_select_ops_rejects_unknown_backend():
 def test_select_ops_imports_triton_kernels_only_for_triton(monkeypatch):
     import sys
 
-    # None in sys.modules makes any import of the module fail: "torch" must not try.
+    import iterserve.kernels
+
+    # None in sys.modules makes any import of the module fail: "torch" must not try. The
+    # package attribute goes too, in case another test imported the kernels already.
+    monkeypatch.delattr(iterserve.kernels, "ops", raising=False)
     monkeypatch.setitem(sys.modules, "iterserve.kernels.ops", None)
     assert select_ops("torch").name == "torch"
     with pytest.raises(ImportError):
