@@ -278,6 +278,7 @@ def bench_prefill(gen: torch.Generator) -> list[list[object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmark iterserve's Triton kernels on a GPU.")
     parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
+    parser.add_argument("--skip-engine", action="store_true", help="kernels only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("iterserve.kernels.bench needs a CUDA GPU; none is visible, nothing was run.", file=sys.stderr)
@@ -328,6 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     prefill_header = ["chunk", "ours ms", "ours TFLOPS", "SDPA ms", "SDPA TFLOPS"]
     report += ["## Prefill (one causal chunk)", "", _table(prefill_header, prefill), ""]
     print("\n## Prefill (one causal chunk)\n\n" + _table(prefill_header, prefill), flush=True)
+
+    if not args.skip_engine:
+        # The engine lives above the kernels; imported here so the kernel bench stands alone.
+        from iterserve.replica.bench_gpu import bench_engine_decode
+
+        engine_lines = bench_engine_decode(copy_bw)
+        report += ["## Engine decode step", "", *engine_lines, ""]
+        print("\n## Engine decode step\n\n" + "\n".join(engine_lines), flush=True)
+        save()
 
     report.append(f"Total wall time: {time.perf_counter() - started:.0f} s.")
     save()

@@ -17,6 +17,7 @@ BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
+LOAD_FORMATS = ("auto", "dummy")
 
 # TensorRT-LLM spellings accepted as aliases of the vLLM names.
 KWARG_ALIASES = {
@@ -120,6 +121,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True disables CUDA graphs
     runner: str = "model"  # "simulated" runs the calibrated cost model instead of a GPU
+    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     served_model_name: str | None = None
     max_logprobs: int = 20
     # torch intra-op threads on CPU. One by default: a tiny model's ops are too small to split,
@@ -134,6 +136,8 @@ class EngineConfig:
                  f"unknown attention_backend {self.attention_backend!r}; "
                  f"choose one of {ATTENTION_BACKENDS}")
         _require(self.runner in RUNNERS, f"unknown runner {self.runner!r}; choose one of {RUNNERS}")
+        _require(self.load_format in LOAD_FORMATS,
+                 f"unknown load_format {self.load_format!r}; choose one of {LOAD_FORMATS}")
         _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
 

@@ -112,3 +112,22 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device |
     with torch.no_grad():
         model.load_weights(iter_weights(files))
     return model, model_config
+
+
+def load_dummy(path: str | Path, dtype: torch.dtype, device: torch.device | str, ops: Ops,
+               seed: int = 0) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path`'s config.json with random weights (load_format="dummy").
+
+    For benchmarks of large shapes: no safetensors are read, and the weights are drawn on the
+    target device, so a 1B-parameter model is ready in seconds.
+    """
+    model_config = read_model_config(path)
+    model = build_model(model_config, dtype, device, ops)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model, model_config

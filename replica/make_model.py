@@ -184,11 +184,13 @@ def tokenizer_config(ids: dict[str, int]) -> dict[str, Any]:
 
 
 def write_model(out_dir: str | Path, seed: int = DEFAULT_SEED, arch: str = DEFAULT_ARCH,
-                preset: str = DEFAULT_PRESET, overrides: dict[str, Any] | None = None) -> Path:
+                preset: str = DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+                with_weights: bool = True) -> Path:
     """Write the checkpoint folder (created if needed) and return its path.
 
     `overrides` patches config.json (e.g. {"tie_word_embeddings": True}) before the weights
-    are drawn, for tests of variants the presets do not cover.
+    are drawn, for tests of variants the presets do not cover. `with_weights=False` writes
+    everything but the safetensors, for engines run with load_format="dummy".
     """
     out = Path(out_dir)
     tokenizer_json = load_tokenizer_json()
@@ -197,9 +199,10 @@ def write_model(out_dir: str | Path, seed: int = DEFAULT_SEED, arch: str = DEFAU
         [t for t in tokenizer_json["added_tokens"] if t["content"] not in
          tokenizer_json["model"]["vocab"]])
     config = {**hf_config(arch, preset, vocab_size, ids), **(overrides or {})}
-    weights = random_weights(ModelConfig.from_hf_config(config), seed)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if with_weights:
+        weights = random_weights(ModelConfig.from_hf_config(config), seed)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "bos_token_id": ids[BOS], "eos_token_id": [ids[EOT], ids[EOS_TEXT]],

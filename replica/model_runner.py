@@ -16,7 +16,7 @@ from iterserve.replica.attention_metadata import AttentionMetadata
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
-from iterserve.replica.loader import load_checkpoint
+from iterserve.replica.loader import load_checkpoint, load_dummy
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.sampler import Sampler
@@ -53,7 +53,8 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
-        self.model, self.model_config = load_checkpoint(model_path, self.dtype, self.device, self.ops)
+        load = load_dummy if config.load_format == "dummy" else load_checkpoint
+        self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops)
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -191,3 +191,14 @@ def test_async_engine_streams_and_closing_a_stream_aborts(model_path: str) -> No
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_dummy_load_format_needs_no_weights(tmp_path: object) -> None:
+    from iterserve.replica.make_model import write_model
+
+    folder = write_model(tmp_path, overrides={"num_hidden_layers": 2}, with_weights=False)
+    assert not (folder / "model.safetensors").exists()
+    with pytest.raises(FileNotFoundError):
+        LLM(str(folder))
+    out = LLM(str(folder), load_format="dummy").generate([[1, 2, 3]], GREEDY)[0].outputs[0]
+    assert len(out.token_ids) == 24
