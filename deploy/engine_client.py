@@ -15,12 +15,22 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from iterserve.deploy.engine_info import describe_engine, stream_engine
-from iterserve.deploy.errors import EngineErrorInfo, OpenAIHTTPError, http_error_for
+from iterserve.deploy.errors import (
+    EngineErrorInfo,
+    OpenAIHTTPError,
+    http_error_for,
+    unwrap_ray_error,
+)
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# A request whose replica died before it yielded anything is sent once more (Serve routes it
+# to a live replica); these are the Ray errors that mean "the replica is gone".
+REPLICA_GONE_ERRORS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
+MAX_ATTEMPTS = 2
 
 
 class EngineClient(Protocol):
@@ -124,25 +134,37 @@ class HandleEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
-                                                  priority)
-        complete = False
-        try:
-            async for item in gen:
-                if isinstance(item, EngineErrorInfo):
-                    complete = True
-                    raise item.to_http()
-                yield item
-            complete = True
-        except (OpenAIHTTPError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as error:  # noqa: BLE001 - Ray errors become HTTP errors
-            complete = True
-            logger.warning("request %s failed in the replica: %s", request_id,
-                           type(error).__name__)
-            raise http_error_for(error) from error
-        finally:
-            if not complete:
-                # The caller stopped early (disconnect, error elsewhere): cancel the replica's
-                # generator; Serve injects CancelledError there, which aborts the request.
-                gen.cancel()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
+                                                      priority)
+            complete = False
+            started = False
+            try:
+                async for item in gen:
+                    if isinstance(item, EngineErrorInfo):
+                        complete = True
+                        raise item.to_http()
+                    started = True
+                    yield item
+                complete = True
+                return
+            except (OpenAIHTTPError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as error:  # noqa: BLE001 - Ray errors become HTTP errors
+                complete = True
+                if (not started and attempt < MAX_ATTEMPTS
+                        and type(unwrap_ray_error(error)).__name__ in REPLICA_GONE_ERRORS):
+                    # The replica died before this request produced anything: nothing reached
+                    # the client, so send it again; Serve routes it to a live replica.
+                    logger.warning("request %s: its replica died before the first token; "
+                                   "retrying (attempt %d)", request_id, attempt + 1)
+                    continue
+                logger.warning("request %s failed in the replica: %s", request_id,
+                               type(error).__name__)
+                raise http_error_for(error) from error
+            finally:
+                if not complete:
+                    # The caller stopped early (disconnect, error elsewhere): cancel the
+                    # replica's generator; Serve injects CancelledError there, which aborts
+                    # the request.
+                    gen.cancel()

@@ -166,7 +166,9 @@ def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
 async def create_completion(req: CompletionRequest, client: EngineClient, info: ModelInfo
                             ) -> JSONResponse | StreamingResponse:
     tokenizer = await client.tokenizer()
-    prompts = completion_prompts(req, tokenizer)
+    # Tokenising runs off the event loop (HF tokenizers release the GIL): a long prompt must
+    # not stall every other request of this ingress.
+    prompts = await asyncio.to_thread(completion_prompts, req, tokenizer, info)
     params = []
     for ids in prompts:
         check_prompt(ids, info)
@@ -239,7 +241,7 @@ async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
 async def create_chat_completion(req: ChatCompletionRequest, client: EngineClient,
                                  info: ModelInfo) -> JSONResponse | StreamingResponse:
     tokenizer = await client.tokenizer()
-    ids = chat_prompt(req, tokenizer)
+    ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info)
     check_prompt(ids, info)
     params = sampling_params(req, len(ids), info)
     job = Job(random_id("chatcmpl"), now_s(), info.model_name, [ids], [params], req.n)

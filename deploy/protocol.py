@@ -7,6 +7,7 @@ logprobs and usage.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,10 +53,43 @@ class ModelInfo:
 
 # ------------------------------------------------------------------------------- requests
 
+DEFAULT_MAX_TOKEN_CHARS = 256  # when the tokenizer's vocabulary cannot be read
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The longest vocabulary entry in characters (byte-level BPE: in bytes): no token of any
+    text covers more characters than this."""
+    try:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)  # type: ignore[attr-defined]
+    except AttributeError:
+        return DEFAULT_MAX_TOKEN_CHARS
+    return max(map(len, vocab), default=DEFAULT_MAX_TOKEN_CHARS)
+
+
+def check_text_size(texts: list[str], info: ModelInfo, tokenizer: Tokenizer,
+                    param: str = "prompt") -> None:
+    """Reject, BEFORE tokenising, text that cannot fit the context however it tokenises
+    (x2 margin for normalisers), so a huge prompt costs a len() and not seconds of BPE."""
+    limit = 2 * info.max_model_len * max_token_chars(tokenizer)
+    total = sum(len(t) for t in texts)
+    if total > limit:
+        raise bad_request(
+            f"The prompt has {total} characters, more than this model's context of "
+            f"{info.max_model_len} tokens can hold. Please reduce the length of the prompt.",
+            param=param)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       info: ModelInfo | None = None) -> list[list[int]]:
     """Every prompt of a completion request as token ids (a request may batch prompts)."""
     prompt = req.prompt
+    if info is not None:
+        if isinstance(prompt, str):
+            check_text_size([prompt], info, tokenizer)
+        elif all(isinstance(p, str) for p in prompt):
+            for text in prompt:
+                check_text_size([text], info, tokenizer)  # type: ignore[list-item]
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)]
     if all(isinstance(p, int) for p in prompt):
@@ -65,8 +99,11 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[lis
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
+                info: ModelInfo | None = None) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    if info is not None:
+        check_text_size([m["content"] for m in messages], info, tokenizer, "messages")
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt)

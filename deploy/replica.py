@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from iterserve.deploy.engine_info import describe_engine, load_signals, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
@@ -93,7 +94,7 @@ class LLMReplica:
     def _current_replica_id() -> str:
         try:
             return serve.get_replica_context().replica_id.unique_id
-        except RuntimeError:  # outside Serve (local testing)
+        except (RuntimeError, RayServeException):  # outside Serve (local testing)
             return f"pid-{os.getpid()}"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -114,6 +115,12 @@ class LLMReplica:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    def check_health(self) -> None:
+        """Serve's health check (every health_check_period_s): a dead engine loop fails it,
+        so Serve replaces this replica instead of leaving it answering 500s forever."""
+        if not self.engine.is_healthy:
+            raise RuntimeError("the engine loop is not running")
 
     def info(self) -> dict[str, Any]:
         """Model, resolved engine config and live stats (the ingress and tests read it)."""

@@ -92,7 +92,13 @@ class AsyncLLMEngine:
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority)
             self._streams[request_id] = stream
 
-        await asyncio.wrap_future(self._submit(add))
+        try:
+            await asyncio.wrap_future(self._submit(add))
+        except asyncio.CancelledError:
+            # The caller left while the request was being admitted: the add command still
+            # runs (see _run_commands), so abort whatever it added.
+            self._submit(lambda engine: self._abort(engine, request_id))
+            raise
         finished = False
         try:
             while True:
@@ -187,17 +193,29 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            # A caller that was cancelled cancels its Future (asyncio.wrap_future); the command
+            # still runs (an add must be followed by its abort, an abort must happen), but its
+            # result goes nowhere: setting it on a cancelled Future raises InvalidStateError.
+            wanted = command.done.set_running_or_notify_cancel()
             try:
-                command.done.set_result(command.run(self.engine))
+                result = command.run(self.engine)
             except Exception as error:  # noqa: BLE001 - handed to the caller, not swallowed
-                command.done.set_exception(error)
+                if wanted:
+                    command.done.set_exception(error)
+                else:
+                    logger.debug("command of a cancelled caller failed: %r", error)
+                continue
+            if wanted:
+                command.done.set_result(result)
 
     def _fail_pending_commands(self, error: BaseException) -> None:
         while True:
             try:
-                self._commands.get_nowait().done.set_exception(error)
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if command.done.set_running_or_notify_cancel():  # False: the caller is gone
+                command.done.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
