@@ -185,7 +185,10 @@ class Scheduler:
             ordered = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens != 1,
                                                           r.priority, r.arrival_time))
         else:
-            ordered = sorted(self.running, key=lambda r: r.num_uncomputed_tokens != 1)
+            decodes, prefills = [], []
+            for r in self.running:
+                (decodes if r.num_uncomputed_tokens == 1 else prefills).append(r)
+            ordered = decodes + prefills
         scheduled_ids: set[str] = set()
         for request in ordered:
             if budget == 0:
@@ -356,12 +359,15 @@ class Scheduler:
         """
         now = self.clock()
         updated: list[Request] = []
+        block_size = self.block_manager.block_size
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.status != RequestStatus.RUNNING or scheduled.is_padding:
                 continue  # aborted while the step ran, or a static batch's padding row
             request.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.mark_computed(request)
+            # A decode completes a block only when it lands on a block boundary.
+            if scheduled.num_new_tokens > 1 or request.num_computed_tokens % block_size == 0:
+                self.block_manager.mark_computed(request)
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue
