@@ -13,7 +13,8 @@ Default coefficients: Llama-3-8B (bf16) on one H100 SXM 80GB, vLLM-class engine.
 derived from published figures next to it; measured coefficients replace them through
 `CostModel.fit(...)` (least squares over measured steps), `CostModel.from_json(path)`, or the
 `ITERSERVE_SIM_COST_MODEL` environment variable (a JSON file path or an inline JSON object
-of CostModel / SimulatorConfig fields), read once, in the constructor.
+of CostModel / SimulatorConfig fields, optionally {"preset": "h200"}), read once, in the
+constructor. `SimulatorConfig.preset("h200")` gives H200 SXM 141GB figures.
 
 Tokens: token at output position p of a request is hash(seed, p) mod vocab_size, where
 seed is SamplingParams.seed (mixed with the child index) if set, else a stable hash of
@@ -122,16 +123,32 @@ class SimulatorConfig:
             raise ValueError("kv_bytes_per_token must be > 0")
 
     @classmethod
+    def preset(cls, name: str) -> SimulatorConfig:
+        """'h100' (default: H100 SXM 80GB) or 'h200' (H200 SXM 141GB), Llama-3-8B bf16."""
+        if name == "h100":
+            return cls()
+        if name == "h200":
+            # H200 SXM: 141 GB HBM3e at 4.8 TB/s, same Hopper compute (NVIDIA H200 datasheet).
+            # a: 16.06 GB / 4.8 TB/s = 3.3 ms at peak, /0.75 + ~1 ms overhead -> 5.5 ms.
+            # d: 131072 B / (0.7 x 4.8 TB/s) = 3.9e-8 s per KV token. b, c: as H100 (compute).
+            return cls(cost=CostModel(a_s=5.5e-3, d_s_per_kv_token=3.9e-8),
+                       gpu_memory_bytes=141 * 10**9)
+        raise ValueError(f"unknown simulator preset {name!r}; choose h100 or h200")
+
+    @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SimulatorConfig:
-        """CostModel fields and SimulatorConfig fields in one flat or nested mapping."""
+        """CostModel fields and SimulatorConfig fields in one flat or nested mapping, on top
+        of an optional "preset" ("h100" or "h200")."""
         data = dict(data)
+        base = cls.preset(str(data.pop("preset", "h100")))
         cost_fields = {f.name for f in dataclasses.fields(CostModel)}
         cost_kwargs = dict(data.pop("cost", {}))
         cost_kwargs.update({k: data.pop(k) for k in list(data) if k in cost_fields})
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown simulator settings: {sorted(unknown)}")
-        return cls(cost=CostModel(**cost_kwargs), **data)
+        cost = dataclasses.replace(base.cost, **cost_kwargs)
+        return dataclasses.replace(base, cost=cost, **data)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SimulatorConfig:

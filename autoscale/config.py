@@ -1,0 +1,139 @@
+"""Thresholds of the KV-aware router and the autoscaler, with documented defaults.
+
+pydantic at the edge: these two models are what Serve options, YAML and CLI flags turn into.
+They are frozen and JSON-serialisable (`model_dump()`), because Ray passes the router's
+settings through `RequestRouterConfig.request_router_kwargs` and the policy's through
+`AutoscalingPolicy.policy_kwargs`, both of which must be plain JSON.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RouterConfig(BaseModel):
+    """How `rank_replicas` orders replicas. See autoscale/README_SECTION.md for the table."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kv_high_watermark: float = Field(
+        0.90, gt=0.0, le=1.0,
+        description="KV usage at or above which a replica is 'hot' and ranked last.",
+    )
+    max_waiting_per_replica: int | None = Field(
+        None, ge=1,
+        description="A replica with this many waiting requests is 'full' and ranked last; "
+        "None uses the replica's own max_waiting_requests (or never, if unbounded).",
+    )
+    waiting_weight: float = Field(
+        1.0, ge=0.0,
+        description="Score weight of one waiting request (in units of 'whole KV caches').",
+    )
+    kv_weight: float = Field(
+        1.0, ge=0.0, description="Score weight of KV usage in [0, 1].",
+    )
+    inflight_kv_per_request: float = Field(
+        0.02, ge=0.0,
+        description="KV usage added to a replica's stale kv_usage for each request this "
+        "router sent it since its last stats update (until it sees the request complete).",
+    )
+    use_committed_kv: bool = Field(
+        True,
+        description="Score KV as max(kv_usage, KV committed by this router's in-flight "
+        "requests: prompt + max_tokens each), which sees growth before it happens.",
+    )
+    stats_stale_after_s: float = Field(
+        5.0, gt=0.0,
+        description="Stats older than this rank the replica after fresh ones (tier 1), "
+        "scored on its last stats plus everything routed to it since.",
+    )
+    prefix_affinity: bool = Field(
+        True, description="Send prompts sharing their first blocks to the same replica.",
+    )
+    prefix_block_size: int = Field(
+        16, ge=1, description="Tokens per block hashed for affinity (match the KV block size).",
+    )
+    prefix_num_blocks: int = Field(
+        4, ge=1,
+        description="How many leading full blocks make the affinity key; prompts shorter "
+        "than one block get no affinity.",
+    )
+    prefix_max_entries: int = Field(
+        10_000, ge=1, description="Affinity table size (LRU) per router.",
+    )
+    prefix_affinity_slack: float = Field(
+        0.5, ge=0.0,
+        description="Affinity holds while the preferred replica's score is within this "
+        "much of the best replica's score; beyond it load wins over cache reuse.",
+    )
+    routing_stats_period_s: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description="RequestRouterConfig.request_routing_stats_period_s: how often Serve "
+        "polls record_routing_stats (Serve's default, 10 s, is far too stale).",
+    )
+    routing_stats_timeout_s: float = Field(
+        2.0, gt=0.0, description="RequestRouterConfig.request_routing_stats_timeout_s.",
+    )
+
+
+class AutoscaleConfig(BaseModel):
+    """When `desired_replicas` adds or removes replicas."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Lower bound on replicas.")
+    max_replicas: int = Field(4, ge=1, description="Upper bound on replicas.")
+    target_waiting_per_replica: float = Field(
+        2.0, gt=0.0,
+        description="Scale up while mean waiting requests per replica stays above this.",
+    )
+    kv_high_watermark: float = Field(
+        0.85, gt=0.0, le=1.0,
+        description="Scale up while mean KV usage stays above this.",
+    )
+    low_waiting_per_replica: float = Field(
+        0.25, ge=0.0,
+        description="Scale-down needs mean waiting per replica at or below this ...",
+    )
+    kv_low_watermark: float = Field(
+        0.40, ge=0.0, le=1.0,
+        description="... and mean KV usage, rescaled to one replica fewer, below this.",
+    )
+    upscale_delay_s: float = Field(
+        2.0, ge=0.0, description="Overload must last this long before scaling up.",
+    )
+    downscale_delay_s: float = Field(
+        20.0, ge=0.0, description="Underload must last this long before each scale-down.",
+    )
+    max_upscale_step: int = Field(
+        2, ge=1, description="Most replicas added in one decision.",
+    )
+    stats_stale_after_s: float = Field(
+        10.0, gt=0.0,
+        description="(Ray adapter) metrics older than this make the policy hold its target.",
+    )
+    look_back_period_s: float = Field(
+        2.0, gt=0.0,
+        description="AutoscalingConfig.look_back_period_s: window Serve aggregates over; "
+        "record_autoscaling_stats runs every 0.2x this.",
+    )
+    metrics_push_interval_s: float = Field(
+        0.5, gt=0.0,
+        description="Value for RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S and "
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S (Serve default 10 s).",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= max_replicas "
+                f"({self.max_replicas})"
+            )
+        if self.kv_low_watermark >= self.kv_high_watermark:
+            raise ValueError("kv_low_watermark must be below kv_high_watermark")
+        if self.low_waiting_per_replica >= self.target_waiting_per_replica:
+            raise ValueError("low_waiting_per_replica must be below target_waiting_per_replica")
+        if self.look_back_period_s <= self.metrics_push_interval_s:
+            raise ValueError("look_back_period_s must exceed metrics_push_interval_s")
+        return self

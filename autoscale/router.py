@@ -1,0 +1,219 @@
+"""`KVAwareRouter`: the thin Ray Serve 2.60 adapter around `router_policy.rank_replicas`.
+
+Attach it to the replica deployment (not to an HTTP ingress, whose router sees ASGI plumbing):
+
+    from iterserve.autoscale.router import request_router_config
+    @serve.deployment(request_router_config=request_router_config(RouterConfig()))
+    class LLMReplica:
+        def record_routing_stats(self) -> dict: return ReplicaLoad.from_engine_stats(...).to_dict()
+        async def generate(self, prompt_token_ids: list[int], ...): ...
+
+What the router reads from a request (PendingRequest.args / kwargs of the handle call):
+the prompt's token ids, for prefix affinity, from (first match wins)
+  1. kwargs["prompt_token_ids"]   (a list/tuple of ints)
+  2. args[0] if it is a list/tuple of ints
+  3. args[0]["prompt_token_ids"] or args[0].prompt_token_ids if args[0] is a dict / object
+Anything else: no affinity, load-only ranking. And the request's output budget, to size its
+KV footprint (prompt + max_tokens) for the watermark check, from (first match wins)
+  1. kwargs["params"] / kwargs["sampling_params"] with a `max_tokens` attribute or key
+  2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
+  3. args[0]["max_tokens"] / args[0].max_tokens
+Missing: only the prompt counts. Nothing else in the request is read.
+
+Each process that holds a handle (every ingress replica) has its own router instance; the
+routers share nothing but the replicas' routing_stats, which Serve polls every
+request_routing_stats_period_s. Between polls each router corrects the stale stats with
+its own in-flight count (`InFlightTracker`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.router_policy import (
+    InFlightTracker,
+    PrefixAffinityTable,
+    prefix_hash,
+    rank_replicas,
+    to_rank_groups,
+)
+from iterserve.autoscale.signals import ReplicaLoad
+
+ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
+
+
+def extract_prompt_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids from a handle call's args, or None (see module docstring)."""
+    candidate: Any = kwargs.get("prompt_token_ids")
+    if candidate is None and args:
+        first = args[0]
+        if isinstance(first, (list, tuple)):
+            candidate = first
+        elif isinstance(first, dict):
+            candidate = first.get("prompt_token_ids")
+        else:
+            candidate = getattr(first, "prompt_token_ids", None)
+    if not isinstance(candidate, (list, tuple)) or not candidate:
+        return None
+    if not isinstance(candidate[0], int):
+        return None
+    return list(candidate)
+
+
+def _max_tokens_of(obj: Any) -> int | None:  # noqa: ANN401
+    value = obj.get("max_tokens") if isinstance(obj, dict) else getattr(obj, "max_tokens", None)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def extract_max_tokens(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The request's max_tokens (see module docstring), or 0 when not found."""
+    candidates = [kwargs.get("params"), kwargs.get("sampling_params")]
+    if len(args) > 1:
+        candidates.append(args[1])
+    if args and not isinstance(args[0], (list, tuple)):
+        candidates.append(args[0])
+    for candidate in candidates:
+        if candidate is not None:
+            value = _max_tokens_of(candidate)
+            if value is not None:
+                return value
+    return 0
+
+
+class KVAwareRouter(RequestRouter):
+    """Ranks replicas by KV watermark, waiting queue and KV usage; optional prefix affinity.
+
+    Serve builds it (do not override __init__) and calls `initialize_state(**kwargs)` with
+    `RequestRouterConfig.request_router_kwargs`, i.e. `RouterConfig(...).model_dump()`.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:  # noqa: ANN401
+        self.config = RouterConfig(**kwargs)
+        self._affinity: PrefixAffinityTable[ReplicaID] = PrefixAffinityTable(
+            self.config.prefix_max_entries
+        )
+        self._in_flight: InFlightTracker[ReplicaID] = InFlightTracker()
+        self._rng = random.Random()
+
+    def _ensure_state(self) -> None:
+        # Serve calls initialize_state(**request_router_kwargs) right after construction;
+        # a router built by hand (tests) may not have.
+        if not hasattr(self, "config"):
+            self.initialize_state()
+
+    def _loads(self, replicas: Sequence[RunningReplica]) -> dict[ReplicaID, ReplicaLoad | None]:
+        return {r.replica_id: ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas}
+
+    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int]:
+        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, or 0)."""
+        if pending_request is None:
+            return None, 0
+        token_ids = extract_prompt_token_ids(pending_request.args, pending_request.kwargs)
+        if token_ids is None:
+            return None, 0
+        max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
+        key = None
+        if self.config.prefix_affinity:
+            key = prefix_hash(
+                token_ids, self.config.prefix_block_size, self.config.prefix_num_blocks
+            )
+        return key, len(token_ids) + max_tokens
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._ensure_state()
+        if not candidate_replicas:
+            return []
+        # Shuffle first: ties keep candidate order, and independent routers should not all
+        # break ties towards the same replica.
+        shuffled = list(candidate_replicas)
+        self._rng.shuffle(shuffled)
+        by_id = {r.replica_id: r for r in shuffled}
+        loads = self._loads(shuffled)
+        key, num_tokens = self._prompt(pending_request)
+        ranked = rank_replicas(
+            candidates=list(by_id),
+            loads=loads,
+            in_flight_corrections=self._in_flight.corrections(loads),
+            config=self.config,
+            prompt_prefix_hash=key,
+            affinity=self._affinity.as_mapping(),
+            now=time.time(),
+            request_tokens=num_tokens,
+        )
+        if pending_request is not None:
+            # We return every replica, so if all ranks fail Serve must back off before
+            # asking again; without this flag it retries in a hot loop (2.60 behaviour).
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[rid] for rid in group] for group in to_rank_groups(ranked)]
+
+    def on_request_routed(
+        self,
+        pending_request: PendingRequest,
+        replica_id: ReplicaID,
+        result: ReplicaResult,
+    ) -> None:
+        self._ensure_state()
+        key, num_tokens = self._prompt(pending_request)
+        self._in_flight.routed(
+            pending_request.metadata.internal_request_id,
+            replica_id,
+            time.time(),
+            prompt_tokens=num_tokens,
+        )
+        self._affinity.record(key, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ensure_state()
+        self._in_flight.completed(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._ensure_state()
+        live = {r.replica_id for r in replicas}
+        for rid in {rid for rid in self._affinity.as_mapping().values() if rid not in live}:
+            self._affinity.forget_replica(rid)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ensure_state()
+        self._affinity.forget_replica(replica_id)
+        self._in_flight.forget_replica(replica_id)
+
+
+def request_router_config(config: RouterConfig | None = None) -> RequestRouterConfig:
+    """The `request_router_config=` for the replica deployment."""
+    config = config or RouterConfig()
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_router_kwargs=config.model_dump(),
+        request_routing_stats_period_s=config.routing_stats_period_s,
+        request_routing_stats_timeout_s=config.routing_stats_timeout_s,
+    )
+
+
+def request_router_config_dict(config: RouterConfig | None = None) -> dict[str, Any]:
+    """The same as plain JSON: for `AppArgs.request_router_config`, YAML and Serve configs."""
+    config = config or RouterConfig()
+    return {
+        "request_router_class": ROUTER_CLASS_PATH,
+        "request_router_kwargs": config.model_dump(),
+        "request_routing_stats_period_s": config.routing_stats_period_s,
+        "request_routing_stats_timeout_s": config.routing_stats_timeout_s,
+    }

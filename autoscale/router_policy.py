@@ -1,0 +1,286 @@
+"""KV-aware replica ranking: a pure function over replica loads (no Ray, no clock reads).
+
+The score
+---------
+For each candidate replica r, with its last reported load L (possibly stale) and c = the
+number of requests *this router* sent to r that r's stats cannot reflect yet (routed after
+L.timestamp and not yet seen complete):
+
+    eff_waiting = L.num_waiting + c
+    eff_kv      = min(1, max(L.kv_usage + k, K))
+    K           = committed KV: the prompt + max_tokens of every request this router sent r
+                  and has not seen complete, over r's KV tokens (use_committed_kv). Unlike
+                  kv_usage it counts the blocks that waiting requests and the decodes still
+                  to come will need: the growth that causes preemption and the blocked
+                  head of a FCFS queue that stalls everything behind it.
+    k           = t / (L.num_total_blocks * prefix_block_size)   if the router knows the
+                  unseen requests' prompt tokens t and the replica's KV size, else
+                  inflight_kv_per_request * c
+    r           = this request's own KV share: request_tokens (prompt + max_tokens) over the
+                  replica's KV tokens, or inflight_kv_per_request when either is unknown
+    tier        = 2 if L.draining
+                  1 if eff_kv + r >= kv_high_watermark or eff_waiting >= max_waiting
+                  0 otherwise          ("would this request push the replica over the line?")
+    score       = waiting_weight * eff_waiting + kv_weight * eff_kv
+
+Replicas are sorted by (tier, score), ties kept in candidate order (the Ray adapter shuffles
+candidates first so that independent routers do not all pick the same replica). With the
+default weights one waiting request costs as much as a whole KV cache, so this is
+"fewest waiting, then lowest KV usage" with a continuous tie-break. A replica with no stats
+yet scores as idle plus its correction c (a just-started replica is idle). A replica whose
+stats are older than stats_stale_after_s keeps its last stats plus every request routed to
+it since, and is ranked in tier 1: a replica too busy to answer the stats poll is more
+likely overloaded than idle.
+
+Prefix affinity: a prompt's key is a hash of its first min(prefix_num_blocks, full blocks)
+blocks of prefix_block_size tokens. If the affinity table maps that key to a candidate in
+tier 0 whose score is within prefix_affinity_slack of the best tier-0 score, that replica
+moves to the front: it probably still holds the prefix's KV blocks, so its prefill is cheap.
+Over the watermark (tier >= 1) or too far behind, load wins and the key is re-homed to the
+replica the request is actually routed to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.signals import ReplicaLoad
+
+R = TypeVar("R", bound=Hashable)  # a replica id: a string in tests, a Serve ReplicaID in Ray
+
+TIER_OK = 0
+TIER_HOT = 1  # over the KV watermark or with a full waiting queue
+TIER_DRAINING = 2
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What this router knows about a replica beyond its (stale) stats."""
+
+    requests: int  # requests sent that the replica's stats do not reflect yet
+    prompt_tokens: int = 0  # their KV footprint (prompt + max_tokens), when known (0: unknown)
+    committed_tokens: int = 0  # KV footprint of every request sent and not seen complete
+
+
+@dataclass(frozen=True)
+class ReplicaScore:
+    replica_id: Hashable
+    tier: int
+    score: float
+    eff_waiting: int
+    eff_kv: float
+    stale: bool
+
+
+def prefix_hash(token_ids: Sequence[int], block_size: int, num_blocks: int) -> int | None:
+    """Hash of the prompt's leading full blocks (at most num_blocks), None if under a block.
+
+    Stable across processes (blake2b, not Python's salted hash()), so every router and every
+    run agree on the key.
+    """
+    n_full = min(len(token_ids) // block_size, num_blocks)
+    if n_full <= 0:
+        return None
+    prefix = token_ids[: n_full * block_size]
+    digest = hashlib.blake2b(
+        b"".join(int(t).to_bytes(4, "little", signed=False) for t in prefix), digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "little") ^ n_full
+
+
+def _as_correction(value: int | Correction | None) -> Correction:
+    if value is None:
+        return Correction(0)
+    if isinstance(value, Correction):
+        return value
+    return Correction(max(0, int(value)))
+
+
+def _kv_of(correction: Correction, load: ReplicaLoad | None, config: RouterConfig) -> float:
+    kv_tokens = 0 if load is None else load.num_total_blocks * config.prefix_block_size
+    if correction.prompt_tokens > 0 and kv_tokens > 0:
+        return correction.prompt_tokens / kv_tokens
+    return config.inflight_kv_per_request * correction.requests
+
+
+def effective_load(
+    load: ReplicaLoad | None,
+    correction: int | Correction,
+    now: float | None,
+    config: RouterConfig,
+) -> tuple[int, float, bool, bool]:
+    """(eff_waiting, eff_kv, queue_full_or_hot, stale) for one replica."""
+    corr = _as_correction(correction)
+    if load is None:  # no stats yet: a new replica, idle but for what we sent it
+        eff_waiting = corr.requests
+        eff_kv = min(1.0, _kv_of(corr, load, config))
+        max_waiting = config.max_waiting_per_replica
+        return eff_waiting, eff_kv, _hot(eff_waiting, eff_kv, max_waiting, config), False
+    stale = now is not None and now - load.timestamp > config.stats_stale_after_s
+    eff_waiting = load.num_waiting + corr.requests
+    eff_kv = min(1.0, max(load.kv_usage + _kv_of(corr, load, config),
+                          _committed_kv(corr, load, config)))
+    max_waiting = config.max_waiting_per_replica or load.max_waiting_requests
+    hot = stale or _hot(eff_waiting, eff_kv, max_waiting, config)
+    return eff_waiting, eff_kv, hot, stale
+
+
+def _committed_kv(correction: Correction, load: ReplicaLoad, config: RouterConfig) -> float:
+    """KV the replica will need for what this router sent it (prompts + max_tokens)."""
+    kv_tokens = load.num_total_blocks * config.prefix_block_size
+    if not config.use_committed_kv or kv_tokens <= 0:
+        return 0.0
+    return correction.committed_tokens / kv_tokens
+
+
+def request_kv_share(request_tokens: int, load: ReplicaLoad | None, config: RouterConfig
+                     ) -> float:
+    """The KV fraction of `load`'s replica that a request of request_tokens would take."""
+    return _kv_of(Correction(1, max(0, request_tokens)), load, config)
+
+
+def _hot(eff_waiting: int, eff_kv: float, max_waiting: int | None, config: RouterConfig) -> bool:
+    return eff_kv >= config.kv_high_watermark or (
+        max_waiting is not None and eff_waiting >= max_waiting
+    )
+
+
+def score_replicas(
+    candidates: Sequence[R],
+    loads: Mapping[R, ReplicaLoad | None],
+    in_flight_corrections: Mapping[R, int | Correction],
+    config: RouterConfig,
+    now: float | None = None,
+    request_tokens: int = 0,
+) -> list[ReplicaScore]:
+    """Score every candidate (same order as candidates); see the module docstring."""
+    scores = []
+    for rid in candidates:
+        load = loads.get(rid)
+        correction = _as_correction(in_flight_corrections.get(rid))
+        eff_waiting, eff_kv, hot, stale = effective_load(load, correction, now, config)
+        if not hot:
+            share = request_kv_share(request_tokens, load, config)
+            hot = eff_kv + share >= config.kv_high_watermark
+        draining = load is not None and load.draining
+        tier = TIER_DRAINING if draining else TIER_HOT if hot else TIER_OK
+        score = config.waiting_weight * eff_waiting + config.kv_weight * eff_kv
+        scores.append(ReplicaScore(rid, tier, score, eff_waiting, eff_kv, stale))
+    return scores
+
+
+def rank_replicas(
+    candidates: Sequence[R],
+    loads: Mapping[R, ReplicaLoad | None],
+    in_flight_corrections: Mapping[R, int | Correction],
+    config: RouterConfig,
+    prompt_prefix_hash: int | None = None,
+    affinity: Mapping[int, R] | None = None,
+    now: float | None = None,
+    request_tokens: int = 0,
+) -> list[R]:
+    """Candidates best first. Pure: reads no clock (`now` is the caller's time.time()).
+
+    loads: the last stats per replica (missing or None: none yet). in_flight_corrections:
+    requests (a count, or a `Correction` with their prompt tokens) this router routed to the
+    replica that its stats do not reflect yet (see `InFlightTracker.corrections`).
+    affinity: prefix hash -> the replica that served it last. request_tokens: the KV
+    footprint (prompt + max_tokens) of the request being routed (0: unknown).
+    """
+    scores = score_replicas(candidates, loads, in_flight_corrections, config, now,
+                            request_tokens)
+    order = sorted(range(len(scores)), key=lambda i: (scores[i].tier, scores[i].score, i))
+    ranked: list[R] = [candidates[i] for i in order]
+    if not (config.prefix_affinity and prompt_prefix_hash is not None and affinity):
+        return ranked
+    preferred = affinity.get(prompt_prefix_hash)
+    if preferred is None or preferred not in candidates:
+        return ranked
+    by_id = {s.replica_id: s for s in scores}
+    pref = by_id[preferred]
+    best = scores[order[0]]
+    if pref.tier == TIER_OK and pref.score <= best.score + config.prefix_affinity_slack:
+        ranked.remove(preferred)
+        ranked.insert(0, preferred)
+    return ranked
+
+
+def to_rank_groups(ranked: Sequence[R]) -> list[list[R]]:
+    """One replica per rank: Serve tries rank 0 first, then 1, ... (it skips a replica at
+    max_ongoing_requests). Grouping would let Serve re-pick inside a group by queue length."""
+    return [[rid] for rid in ranked]
+
+
+class PrefixAffinityTable(Generic[R]):
+    """LRU map prefix hash -> replica id, owned by one router (plain data, no clock)."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self._max_entries = max_entries
+        self._table: OrderedDict[int, R] = OrderedDict()
+
+    def record(self, key: int | None, replica_id: R) -> None:
+        if key is None:
+            return
+        self._table[key] = replica_id
+        self._table.move_to_end(key)
+        while len(self._table) > self._max_entries:
+            self._table.popitem(last=False)
+
+    def forget_replica(self, replica_id: R) -> None:
+        for key in [k for k, v in self._table.items() if v == replica_id]:
+            del self._table[key]
+
+    def as_mapping(self) -> Mapping[int, R]:
+        return self._table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+class InFlightTracker(Generic[R]):
+    """The router's own count of requests it routed and has not seen complete.
+
+    Keyed by Serve's internal request id: `on_request_completed` fires for every dispatched
+    request, including ones the replica rejected (which never saw `on_request_routed`), so
+    unknown ids are ignored. Times are passed in, never read.
+    """
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[R, float, int]] = {}
+
+    def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0) -> None:
+        self._by_request[request_id] = (replica_id, at, prompt_tokens)
+
+    def completed(self, request_id: str) -> R | None:
+        entry = self._by_request.pop(request_id, None)
+        return None if entry is None else entry[0]
+
+    def forget_replica(self, replica_id: R) -> None:
+        for key in [k for k, (r, _, _) in self._by_request.items() if r == replica_id]:
+            del self._by_request[key]
+
+    def in_flight(self, replica_id: R) -> int:
+        return sum(1 for r, _, _ in self._by_request.values() if r == replica_id)
+
+    def corrections(self, loads: Mapping[R, ReplicaLoad | None]) -> dict[R, Correction]:
+        """Per replica: requests routed after its stats were taken (unseen) and the KV
+        footprint of everything in flight there."""
+        counts: dict[R, list[int]] = {}
+        for rid, at, tokens in self._by_request.values():
+            entry = counts.setdefault(rid, [0, 0, 0])
+            entry[2] += tokens
+            load = loads.get(rid)
+            if load is None or at > load.timestamp:
+                entry[0] += 1
+                entry[1] += tokens
+        return {rid: Correction(n, t, c) for rid, (n, t, c) in counts.items()}
+
+    def __len__(self) -> int:
+        return len(self._by_request)

@@ -1,0 +1,125 @@
+"""One replica's load, as the router and the autoscaler see it.
+
+`ReplicaLoad` is what `LLMReplica.record_routing_stats()` returns (as `to_dict()`) and what
+`record_autoscaling_stats()` returns (as `to_autoscaling_metrics()`, numbers only). It is
+built from the engine's `EngineStats` snapshot; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from iterserve.replica.stats import EngineStats
+
+# Serve calls record_routing_stats every request_routing_stats_period_s; Serve's default is
+# 10 s, far too stale for a KV watermark. RouterConfig.routing_stats_period_s defaults to this.
+ROUTING_STATS_PERIOD_S = 0.5
+
+# Names of the custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id]); the
+# same keys as the routing stats, so deploy's `load_signals(stats)` dict serves both.
+METRIC_KV_USAGE = "kv_usage"
+METRIC_NUM_WAITING = "num_waiting"
+METRIC_NUM_RUNNING = "num_running"
+METRIC_DRAINING = "draining"  # optional: 1.0 while the replica drains (absent means 0)
+AUTOSCALING_METRICS = (METRIC_KV_USAGE, METRIC_NUM_WAITING, METRIC_NUM_RUNNING, METRIC_DRAINING)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A snapshot of one replica's engine load.
+
+    kv_usage: used / total KV blocks in [0, 1]. num_waiting: requests admitted to the engine
+    but not yet running (preempted ones included). max_waiting_requests: the engine's
+    waiting-queue bound (None: unbounded). timestamp: time.time() when the engine took the
+    snapshot. draining: the replica is shutting down and admits nothing new.
+    """
+
+    kv_usage: float
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    step_token_rate: float
+    timestamp: float
+    max_waiting_requests: int | None = None
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+        if self.num_waiting < 0 or self.num_running < 0:
+            raise ValueError("num_waiting and num_running must be >= 0")
+        if not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
+            raise ValueError(
+                f"num_free_blocks ({self.num_free_blocks}) must be in "
+                f"[0, num_total_blocks={self.num_total_blocks}]"
+            )
+
+    @classmethod
+    def from_engine_stats(cls, stats: EngineStats, draining: bool = False) -> ReplicaLoad:
+        return cls(
+            kv_usage=min(1.0, max(0.0, float(stats.kv_usage))),
+            num_waiting=int(stats.num_waiting),
+            num_running=int(stats.num_running),
+            num_free_blocks=int(stats.num_free_blocks),
+            num_total_blocks=int(stats.num_total_blocks),
+            step_token_rate=float(stats.step_token_rate),
+            timestamp=float(stats.timestamp),
+            max_waiting_requests=stats.max_waiting_requests,
+            draining=draining,
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplicaLoad:
+        """Parse what record_routing_stats returned; raises ValueError if malformed."""
+        try:
+            max_waiting = data.get("max_waiting_requests")
+            return cls(
+                kv_usage=float(data["kv_usage"]),
+                num_waiting=int(float(data["num_waiting"])),
+                num_running=int(float(data["num_running"])),
+                num_free_blocks=int(float(data.get("num_free_blocks", 0))),
+                num_total_blocks=int(float(data.get("num_total_blocks", 0))),
+                step_token_rate=float(data.get("step_token_rate", 0.0)),
+                timestamp=float(data["timestamp"]),
+                # deploy's load_signals sends -1.0 for an unbounded queue
+                max_waiting_requests=(
+                    None if max_waiting is None or float(max_waiting) < 0 else int(max_waiting)
+                ),
+                draining=float(data.get("draining", 0.0)) >= 0.5,
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc
+
+    @classmethod
+    def try_from_dict(cls, data: Mapping[str, Any] | None) -> ReplicaLoad | None:
+        """`from_dict`, or None for empty or malformed stats (a replica not yet polled)."""
+        if not data:
+            return None
+        try:
+            return cls.from_dict(data)
+        except ValueError:
+            return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: the return value of `record_routing_stats()`."""
+        return asdict(self)
+
+    def to_autoscaling_metrics(self) -> dict[str, float]:
+        """Numbers only: the return value of `record_autoscaling_stats()`."""
+        return {
+            METRIC_KV_USAGE: self.kv_usage,
+            METRIC_NUM_WAITING: float(self.num_waiting),
+            METRIC_NUM_RUNNING: float(self.num_running),
+            METRIC_DRAINING: 1.0 if self.draining else 0.0,
+        }
+
+    @property
+    def queue_full(self) -> bool:
+        return (
+            self.max_waiting_requests is not None
+            and self.num_waiting >= self.max_waiting_requests
+        )

@@ -1,0 +1,95 @@
+"""KVAwareRouter inside a real local Ray Serve: two replicas, one artificially full.
+
+The replicas are a tiny test deployment whose record_routing_stats reports a full KV cache
+when a flag file names it; the router must then send every new request to the other one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import cloudpickle, serve  # noqa: E402
+
+from iterserve.autoscale.config import RouterConfig  # noqa: E402
+from iterserve.autoscale.router import request_router_config  # noqa: E402
+from iterserve.autoscale.signals import ReplicaLoad  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240)]
+
+# The test module is not importable in Ray workers: ship its deployment by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@serve.deployment(max_ongoing_requests=100, ray_actor_options={"num_cpus": 0})
+class FakeReplica:
+    """Reports its load from a flag file: 'full' if the file names this replica."""
+
+    def __init__(self, flag_file: str) -> None:
+        self.flag_file = Path(flag_file)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.served = 0
+
+    def _full(self) -> bool:
+        return self.flag_file.exists() and self.flag_file.read_text().strip() == self.replica_id
+
+    def record_routing_stats(self) -> dict:
+        full = self._full()
+        return ReplicaLoad(
+            kv_usage=0.99 if full else 0.10, num_waiting=5 if full else 0, num_running=8,
+            num_free_blocks=1 if full else 90, num_total_blocks=100, step_token_rate=0.0,
+            timestamp=time.time(),
+        ).to_dict()
+
+    async def generate(self, prompt_token_ids: list[int]) -> str:
+        self.served += 1
+        return self.replica_id
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=128 * 1024**2,
+             log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 0}, proxy_location="Disabled")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_full_replica_gets_no_new_requests(ray_serve, tmp_path):
+    flag = tmp_path / "full_replica"
+    cfg = RouterConfig(routing_stats_period_s=0.2, prefix_affinity=False)
+    app = FakeReplica.options(num_replicas=2,
+                              request_router_config=request_router_config(cfg)).bind(str(flag))
+    handle = serve.run(app, name="router_test", route_prefix=None)
+    prompt = list(range(40))
+
+    # Learn both replica ids (the router spreads an idle start across them).
+    seen: set[str] = set()
+    deadline = time.time() + 60
+    while len(seen) < 2 and time.time() < deadline:
+        seen.update(handle.generate.remote(prompt).result() for _ in range(10))
+    assert len(seen) == 2, f"expected two replicas, saw {seen}"
+
+    full_id = sorted(seen)[0]
+    flag.write_text(full_id)
+    time.sleep(1.5)  # several routing-stats periods for the controller to poll and broadcast
+
+    # Sequential and concurrent requests alike avoid the full replica.
+    chosen = [handle.generate.remote(prompt).result() for _ in range(20)]
+    responses = [handle.generate.remote(prompt) for _ in range(20)]
+    chosen += [r.result() for r in responses]
+    assert full_id not in chosen, f"{chosen.count(full_id)} of 40 went to the full replica"
+
+    # And once it is no longer full it is used again.
+    flag.write_text("nobody")
+    time.sleep(1.5)
+    again = [handle.generate.remote(prompt) for _ in range(30)]
+    assert full_id in {r.result() for r in again}
+    serve.delete("router_test")

@@ -1,0 +1,82 @@
+"""ReplicaLoad: from EngineStats, to/from the routing-stats dict, autoscaling metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from iterserve.autoscale.signals import (
+    AUTOSCALING_METRICS,
+    ROUTING_STATS_PERIOD_S,
+    ReplicaLoad,
+)
+from iterserve.replica.stats import EngineStats
+
+
+def stats(**kw):
+    base = dict(
+        timestamp=123.5, num_running=3, num_waiting=2, num_total_blocks=100,
+        num_free_blocks=40, kv_usage=0.6, num_preemptions=1, num_out_of_blocks=0,
+        last_step_tokens=12, step_token_rate=345.0, max_waiting_requests=16,
+    )
+    base.update(kw)
+    return EngineStats(**base)
+
+
+def test_from_engine_stats_round_trips_through_json():
+    load = ReplicaLoad.from_engine_stats(stats())
+    assert load.kv_usage == 0.6 and load.num_waiting == 2 and load.num_running == 3
+    assert load.num_free_blocks == 40 and load.num_total_blocks == 100
+    assert load.max_waiting_requests == 16 and load.timestamp == 123.5
+    wire = json.loads(json.dumps(load.to_dict()))
+    assert ReplicaLoad.from_dict(wire) == load
+
+
+def test_queue_full_and_draining():
+    assert ReplicaLoad.from_engine_stats(stats(num_waiting=16)).queue_full
+    assert not ReplicaLoad.from_engine_stats(stats(max_waiting_requests=None)).queue_full
+    assert ReplicaLoad.from_engine_stats(stats(), draining=True).to_dict()["draining"]
+
+
+def test_autoscaling_metrics_are_numbers_only():
+    metrics = ReplicaLoad.from_engine_stats(stats()).to_autoscaling_metrics()
+    assert set(metrics) == set(AUTOSCALING_METRICS)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_malformed_dicts():
+    with pytest.raises(ValueError):
+        ReplicaLoad.from_dict({"kv_usage": 0.1})
+    assert ReplicaLoad.try_from_dict({}) is None
+    assert ReplicaLoad.try_from_dict(None) is None
+    assert ReplicaLoad.try_from_dict({"kv_usage": "x"}) is None
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        ReplicaLoad.from_engine_stats(stats(kv_usage=0.6, num_free_blocks=101))
+    with pytest.raises(ValueError):
+        ReplicaLoad(kv_usage=1.2, num_waiting=0, num_running=0, num_free_blocks=0,
+                    num_total_blocks=0, step_token_rate=0, timestamp=0)
+    # kv from the engine is clamped into [0, 1]
+    assert ReplicaLoad.from_engine_stats(stats(kv_usage=1.0000001)).kv_usage == 1.0
+
+
+def test_routing_stats_period_is_at_most_one_second():
+    assert 0 < ROUTING_STATS_PERIOD_S <= 1.0
+
+
+def test_accepts_the_deploy_load_signals_dict():
+    # deploy/engine_info.load_signals: every value a float, -1 for an unbounded queue
+    wire = {"kv_usage": 0.25, "num_waiting": 3.0, "num_running": 7.0, "num_free_blocks": 75.0,
+            "num_total_blocks": 100.0, "num_preemptions": 2.0, "step_token_rate": 10.0,
+            "max_waiting_requests": -1.0, "timestamp": 5.0}
+    load = ReplicaLoad.from_dict(wire)
+    assert load.num_waiting == 3 and load.max_waiting_requests is None and not load.draining
+    assert ReplicaLoad.from_dict({**wire, "max_waiting_requests": 8.0, "draining": 1.0}).draining
+    try:
+        from iterserve.deploy.engine_info import load_signals
+    except ImportError:
+        return
+    assert ReplicaLoad.from_dict(load_signals(stats())) == ReplicaLoad.from_engine_stats(stats())
