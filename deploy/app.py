@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve import Application
@@ -85,7 +85,11 @@ class AppArgs(BaseModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     num_replicas: int | str = 1  # an int, or "auto" with autoscaling_config
     autoscaling_config: dict[str, Any] | None = None
-    request_router_config: dict[str, Any] | None = None
+    request_router_config: dict[str, Any] | None = None  # wins over `router`
+    # kv-prefix: KVAwareRouter with prefix affinity; kv: without; pow2: Ray's default router.
+    router: Literal["kv-prefix", "kv", "pow2"] = "kv-prefix"
+    min_replicas: int = Field(1, ge=1)  # with num_replicas="auto"
+    max_replicas: int = Field(4, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)  # per LLMReplica
     num_gpus_per_replica: float | None = None  # None: 1 if the cluster has GPUs, else 0
     num_cpus_per_replica: float | None = None
@@ -129,6 +133,27 @@ class AppArgs(BaseModel):
         return EngineConfig.from_kwargs(model=self.model, **self.engine_kwargs)
 
 
+def routing_and_scaling_options(app_args: AppArgs) -> dict[str, Any]:
+    """LLMReplica's request router and, with num_replicas="auto", its autoscaling policy."""
+    from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
+    from iterserve.autoscale.policy import serve_autoscaling_config
+    from iterserve.autoscale.router import request_router_config_dict
+
+    options: dict[str, Any] = {}
+    if app_args.request_router_config is not None:
+        options["request_router_config"] = app_args.request_router_config
+    elif app_args.router != "pow2":
+        block_size = app_args.engine_config().cache.block_size
+        options["request_router_config"] = request_router_config_dict(RouterConfig(
+            prefix_affinity=app_args.router == "kv-prefix", prefix_block_size=block_size))
+    if app_args.autoscaling_config is not None:
+        options["autoscaling_config"] = app_args.autoscaling_config
+    elif app_args.num_replicas == "auto":
+        options["autoscaling_config"] = serve_autoscaling_config(AutoscaleConfig(
+            min_replicas=app_args.min_replicas, max_replicas=app_args.max_replicas))
+    return options
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """The iterserve application: OpenAIIngress -> LLMReplica x num_replicas."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
@@ -140,10 +165,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                                                    app_args.num_cpus_per_replica),
         "graceful_shutdown_timeout_s": app_args.drain_timeout_s + 5,
     }
-    if app_args.autoscaling_config is not None:
-        replica_options["autoscaling_config"] = app_args.autoscaling_config
-    if app_args.request_router_config is not None:
-        replica_options["request_router_config"] = app_args.request_router_config
+    replica_options.update(routing_and_scaling_options(app_args))
     replica = LLMReplica.options(**replica_options).bind(
         app_args.model, app_args.engine_kwargs, app_args.drain_timeout_s)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas).bind(

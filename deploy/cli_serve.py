@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-replicas", default="1",
                         help="LLMReplica count (one per GPU), or 'auto'")
     parser.add_argument("--num-ingress-replicas", type=int, default=1)
+    parser.add_argument("--router", choices=("kv-prefix", "kv", "pow2"), default="kv-prefix",
+                        help="KV-aware router with or without prefix affinity, or Ray's default")
+    parser.add_argument("--min-replicas", type=int, default=1, help="with --num-replicas auto")
+    parser.add_argument("--max-replicas", type=int, default=4, help="with --num-replicas auto")
+    parser.add_argument("--sim-cost-model", default=None,
+                        help="simulated runner's cost model: a JSON file or inline JSON")
     parser.add_argument("--max-ongoing-requests", type=int, default=256,
                         help="Serve's per-replica in-flight bound")
     parser.add_argument("--num-gpus-per-replica", type=float, default=None,
@@ -136,6 +142,9 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
         "num_ingress_replicas": args.num_ingress_replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
         "api_keys": list(load_api_keys(args.api_key, args.api_key_file)),
+        "router": args.router,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
     }
     if args.num_gpus_per_replica is not None:
         app["num_gpus_per_replica"] = args.num_gpus_per_replica
@@ -158,6 +167,15 @@ def start_ray(args: argparse.Namespace) -> str | None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.num_replicas == "auto":
+        from iterserve.autoscale.config import AutoscaleConfig
+        from iterserve.autoscale.policy import autoscaling_env_vars
+
+        # Serve reads its metric push intervals from the environment at start.
+        os.environ.update(autoscaling_env_vars(AutoscaleConfig(
+            min_replicas=args.min_replicas, max_replicas=args.max_replicas)))
+    if args.sim_cost_model:
+        os.environ["ITERSERVE_SIM_COST_MODEL"] = args.sim_cost_model  # replicas inherit it
     if args.address:
         ray.init(address=args.address, namespace="iterserve", log_to_driver=False)
         return None
