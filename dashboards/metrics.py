@@ -1,0 +1,309 @@
+"""Every iterserve metric in one place, and the stat logger that fills them.
+
+Names and semantics follow vLLM (`vllm/v1/metrics/loggers.py`) under the ``iterserve:``
+prefix, with vLLM's bucket edges, so dashboards and alerts written for vLLM translate by a
+prefix swap. Labels are ``model_name`` and ``replica`` (plus ``finished_reason`` on
+request_success); never a request id.
+
+Two deliberate differences from vLLM, both for `promtool check metrics`:
+* the per-iteration token histogram is ``iterserve:iteration_tokens`` (vLLM:
+  ``iteration_tokens_total``), because promtool rejects ``_total`` on a non-counter;
+* promtool still reports "metric names should not contain ':'" for every name, as it does
+  for vLLM's. Changing `METRIC_PREFIX` to ``iterserve_`` makes the output lint-clean; the
+  dashboard, configs and tests all derive from this constant.
+
+Use from the engine side::
+
+    logger = PrometheusStatLogger("tiny-llama", replica_id="r0")
+    logger.record(engine_stats, iteration_stats, finished)   # after every step
+
+and from the ingress: ``metrics_text()`` for GET /metrics (content type `CONTENT_TYPE`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from iterserve.dashboards.sinks import (
+    CONTENT_TYPE,
+    MetricSink,
+    MetricSpec,
+    get_sink,
+    mark_this_process_dead,
+    prepare_multiprocess_dir,
+)
+from iterserve.dashboards.sinks import (
+    metrics_text as _merged_metrics_text,
+)
+
+if TYPE_CHECKING:  # plain records; importing them at run time would pull in the engine package
+    from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats
+
+__all__ = [
+    "CONTENT_TYPE",
+    "METRIC_PREFIX",
+    "ALL_METRICS",
+    "AutoscalerMetrics",
+    "PrometheusStatLogger",
+    "RouterMetrics",
+    "metric_name",
+    "metrics_text",
+    "prepare_multiprocess_dir",
+]
+
+METRIC_PREFIX = "iterserve:"
+
+LABEL_MODEL = "model_name"
+LABEL_REPLICA = "replica"
+LABEL_FINISHED_REASON = "finished_reason"
+FINISH_REASONS = ("stop", "length", "abort")
+_ENGINE_LABELS = (LABEL_MODEL, LABEL_REPLICA)
+
+# vLLM's bucket edges (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+                           4096.0, 8192.0, 16384.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`.
+
+    >>> build_1_2_5_buckets(100)
+    (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+    """
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
+TOKEN_COUNT_BUCKETS = build_1_2_5_buckets(131072)
+
+
+def _gauge(key: str, doc: str, labels: tuple[str, ...] = _ENGINE_LABELS,
+           mode: str = "livemostrecent") -> MetricSpec:
+    return MetricSpec(key, "gauge", doc, labels, multiprocess_mode=mode)
+
+
+def _counter(key: str, doc: str, labels: tuple[str, ...] = _ENGINE_LABELS) -> MetricSpec:
+    return MetricSpec(key, "counter", doc, labels)
+
+
+def _histogram(key: str, doc: str, buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(key, "histogram", doc, _ENGINE_LABELS, buckets=buckets)
+
+
+NUM_REQUESTS_RUNNING = _gauge("num_requests_running", "Number of requests in the running batch.")
+NUM_REQUESTS_WAITING = _gauge(
+    "num_requests_waiting", "Number of requests waiting to be scheduled (preempted included).")
+KV_CACHE_USAGE_PERC = _gauge(
+    "kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks, 1 means 100 percent.")
+NUM_PREEMPTIONS = _counter("num_preemptions", "Cumulative number of preemptions.")
+NUM_OUT_OF_BLOCKS = _counter(
+    "num_out_of_blocks", "Cumulative steps where a request could not get a KV block.")
+PROMPT_TOKENS = _counter("prompt_tokens", "Number of prefill tokens processed.")
+GENERATION_TOKENS = _counter("generation_tokens", "Number of generation tokens processed.")
+PREFIX_CACHE_QUERIES = _counter(
+    "prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.")
+PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.")
+REQUEST_SUCCESS = _counter(
+    "request_success", "Count of finished requests by finish reason.",
+    labels=(*_ENGINE_LABELS, LABEL_FINISHED_REASON))
+ITERATION_TOKENS = _histogram(
+    "iteration_tokens", "Histogram of tokens computed per engine step.", ITERATION_TOKEN_BUCKETS)
+TIME_TO_FIRST_TOKEN = _histogram(
+    "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = _histogram(
+    "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+REQUEST_TIME_PER_OUTPUT_TOKEN = _histogram(
+    "request_time_per_output_token_seconds",
+    "Histogram of per-request decode time / (output tokens - 1) in seconds.", ITL_BUCKETS)
+E2E_REQUEST_LATENCY = _histogram(
+    "e2e_request_latency_seconds", "Histogram of arrival-to-finish latency in seconds.",
+    REQUEST_LATENCY_BUCKETS)
+REQUEST_QUEUE_TIME = _histogram(
+    "request_queue_time_seconds", "Histogram of time spent waiting before first admission.",
+    REQUEST_LATENCY_BUCKETS)
+REQUEST_PREFILL_TIME = _histogram(
+    "request_prefill_time_seconds", "Histogram of admission-to-first-token time in seconds.",
+    REQUEST_LATENCY_BUCKETS)
+REQUEST_DECODE_TIME = _histogram(
+    "request_decode_time_seconds", "Histogram of first-token-to-finish time in seconds.",
+    REQUEST_LATENCY_BUCKETS)
+REQUEST_PROMPT_TOKENS = _histogram(
+    "request_prompt_tokens", "Histogram of prompt tokens per finished request.",
+    TOKEN_COUNT_BUCKETS)
+REQUEST_GENERATION_TOKENS = _histogram(
+    "request_generation_tokens", "Histogram of generated tokens per finished request.",
+    TOKEN_COUNT_BUCKETS)
+ROUTER_DECISIONS = _counter(
+    "router_decisions", "Requests the router sent to each replica.")
+AUTOSCALER_TARGET_REPLICAS = _gauge(
+    "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
+    labels=(LABEL_MODEL,), mode="mostrecent")
+
+ENGINE_METRICS: tuple[MetricSpec, ...] = (
+    NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC, NUM_PREEMPTIONS,
+    NUM_OUT_OF_BLOCKS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    REQUEST_SUCCESS, ITERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
+    REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
+)
+ALL_METRICS: tuple[MetricSpec, ...] = (
+    *ENGINE_METRICS, ROUTER_DECISIONS, AUTOSCALER_TARGET_REPLICAS)
+
+
+def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = METRIC_PREFIX) -> str:
+    """The stored series name: ``metric_name(TIME_TO_FIRST_TOKEN, "_bucket")``."""
+    return spec.exposed_name(prefix) + suffix
+
+
+def metrics_text(registry: CollectorRegistry | None = None) -> bytes:
+    """GET /metrics for the ingress: every process's iterserve metrics (multiprocess mode), or
+    `registry` / the global registry in a single process."""
+    return _merged_metrics_text(registry, name_prefixes=(METRIC_PREFIX,))
+
+
+class PrometheusStatLogger:
+    """A `StatLogger` (see replica/stats.py) that turns engine records into metrics.
+
+    `registry` isolates tests; in production leave it None (the global registry, which is
+    file-backed in multiprocess mode). `backend` is ``prometheus`` or ``ray`` (default: the
+    ``ITERSERVE_METRICS_BACKEND`` environment variable, else ``prometheus``).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        replica_id: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        backend: str | None = None,
+        prefix: str = METRIC_PREFIX,
+    ) -> None:
+        self._sink: MetricSink = get_sink(prefix, registry, backend)
+        self._labels = {LABEL_MODEL: model_name, LABEL_REPLICA: str(replica_id)}
+        self._last_preemptions = 0
+        self._last_out_of_blocks = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Expose every series from the start, so dashboards show zeros rather than gaps."""
+        for spec in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC):
+            self._sink.gauge_set(spec, 0.0, self._labels)
+        for spec in (NUM_PREEMPTIONS, NUM_OUT_OF_BLOCKS, PROMPT_TOKENS, GENERATION_TOKENS,
+                     PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS):
+            self._sink.counter_inc(spec, 0.0, self._labels)
+        for reason in FINISH_REASONS:
+            self._sink.counter_inc(REQUEST_SUCCESS, 0.0, self._reason_labels(reason))
+
+    def _reason_labels(self, reason: str) -> dict[str, str]:
+        return {**self._labels, LABEL_FINISHED_REASON: reason}
+
+    def _inc_cumulative(self, spec: MetricSpec, current: int, previous: int) -> int:
+        """Counters from the engine's cumulative totals; a reset engine restarts from 0."""
+        delta = current - previous if current >= previous else current
+        if delta:
+            self._sink.counter_inc(spec, float(delta), self._labels)
+        return current
+
+    def record(
+        self,
+        engine: EngineStats,
+        iteration: IterationStats,
+        finished: list[FinishedRequestStats],
+    ) -> None:
+        sink, labels = self._sink, self._labels
+        sink.gauge_set(NUM_REQUESTS_RUNNING, engine.num_running, labels)
+        sink.gauge_set(NUM_REQUESTS_WAITING, engine.num_waiting, labels)
+        sink.gauge_set(KV_CACHE_USAGE_PERC, engine.kv_usage, labels)
+        self._last_preemptions = self._inc_cumulative(
+            NUM_PREEMPTIONS, engine.num_preemptions, self._last_preemptions)
+        self._last_out_of_blocks = self._inc_cumulative(
+            NUM_OUT_OF_BLOCKS, engine.num_out_of_blocks, self._last_out_of_blocks)
+        self._last_prefix_queries = self._inc_cumulative(
+            PREFIX_CACHE_QUERIES, engine.prefix_cache_queries, self._last_prefix_queries)
+        self._last_prefix_hits = self._inc_cumulative(
+            PREFIX_CACHE_HITS, engine.prefix_cache_hits, self._last_prefix_hits)
+
+        if iteration.num_prompt_tokens:
+            sink.counter_inc(PROMPT_TOKENS, iteration.num_prompt_tokens, labels)
+        if iteration.num_generation_tokens:
+            sink.counter_inc(GENERATION_TOKENS, iteration.num_generation_tokens, labels)
+        step_tokens = iteration.num_prompt_tokens + iteration.num_generation_tokens
+        if step_tokens:
+            sink.histogram_observe(ITERATION_TOKENS, step_tokens, labels)
+        for ttft in iteration.time_to_first_tokens_s:
+            sink.histogram_observe(TIME_TO_FIRST_TOKEN, ttft, labels)
+        for itl in iteration.inter_token_latencies_s:
+            sink.histogram_observe(INTER_TOKEN_LATENCY, itl, labels)
+        for request in finished:
+            self._record_finished(request)
+
+    def _record_finished(self, request: FinishedRequestStats) -> None:
+        sink, labels = self._sink, self._labels
+        sink.counter_inc(REQUEST_SUCCESS, 1.0, self._reason_labels(request.finish_reason))
+        sink.histogram_observe(E2E_REQUEST_LATENCY, request.e2e_latency_s, labels)
+        sink.histogram_observe(REQUEST_QUEUE_TIME, request.queue_time_s, labels)
+        sink.histogram_observe(REQUEST_PREFILL_TIME, request.prefill_time_s, labels)
+        sink.histogram_observe(REQUEST_DECODE_TIME, request.decode_time_s, labels)
+        sink.histogram_observe(REQUEST_PROMPT_TOKENS, request.num_prompt_tokens, labels)
+        sink.histogram_observe(REQUEST_GENERATION_TOKENS, request.num_generation_tokens, labels)
+        if request.num_generation_tokens > 1:
+            tpot = request.decode_time_s / (request.num_generation_tokens - 1)
+            sink.histogram_observe(REQUEST_TIME_PER_OUTPUT_TOKEN, tpot, labels)
+
+    def close(self) -> None:
+        """Call when the replica stops: its live gauges leave the shared metrics folder."""
+        mark_this_process_dead()
+
+
+class RouterMetrics:
+    """For the request router: one counter increment per routing decision."""
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        backend: str | None = None,
+        prefix: str = METRIC_PREFIX,
+    ) -> None:
+        self._sink = get_sink(prefix, registry, backend)
+        self._model_name = model_name
+
+    def record_decision(self, replica_id: str) -> None:
+        labels = {LABEL_MODEL: self._model_name, LABEL_REPLICA: str(replica_id)}
+        self._sink.counter_inc(ROUTER_DECISIONS, 1.0, labels)
+
+
+class AutoscalerMetrics:
+    """For the autoscaling policy: the replica count it asked for, each time it decides."""
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        backend: str | None = None,
+        prefix: str = METRIC_PREFIX,
+    ) -> None:
+        self._sink = get_sink(prefix, registry, backend)
+        self._labels = {LABEL_MODEL: model_name}
+
+    def set_target_replicas(self, target_replicas: float) -> None:
+        self._sink.gauge_set(AUTOSCALER_TARGET_REPLICAS, float(target_replicas), self._labels)

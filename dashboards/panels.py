@@ -1,0 +1,167 @@
+"""The dashboard's panels and their PromQL: the one source of truth.
+
+`grafana.py` turns these into Grafana JSON; the Prometheus integration test evaluates every
+query against a real Prometheus. Metric names come from `metrics.py` only.
+
+Grafana variables used in queries: ``$model_name`` (multi-value, so ``=~``) and
+``$__rate_interval``. `Target.requires` names what must be running for the query to return
+data: ``engine`` (any iterserve replica), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter:
+DCGM, nvidia_gpu_exporter, or Ray's node metrics on a GPU node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.dashboards import metrics as m
+
+REQUIREMENTS = ("engine", "router", "autoscaler", "gpu")
+DEFAULT_KV_WATERMARK = 0.9  # the line drawn on the KV-usage panel
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+    requires: str = "engine"
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: tuple[Target, ...]
+    width: int = 12
+    height: int = 8
+    max_value: float | None = None
+    threshold_line: float | None = None  # drawn as a dashed line (e.g. the KV watermark)
+    stacked: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...]
+
+
+SELECTOR = '{model_name=~"$model_name"}'
+RATE = "[$__rate_interval]"
+
+
+def _series(spec: m.MetricSpec, suffix: str = "") -> str:
+    return m.metric_name(spec, suffix)
+
+
+def _quantile(q: float, spec: m.MetricSpec, by: str = "le") -> str:
+    bucket = _series(spec, "_bucket")
+    return f"histogram_quantile({q}, sum by ({by}) (rate({bucket}{SELECTOR}{RATE})))"
+
+
+def _mean(spec: m.MetricSpec) -> str:
+    total, count = _series(spec, "_sum"), _series(spec, "_count")
+    return f"sum(rate({total}{SELECTOR}{RATE})) / sum(rate({count}{SELECTOR}{RATE}))"
+
+
+def _latency_targets(spec: m.MetricSpec, quantiles: tuple[float, ...]) -> tuple[Target, ...]:
+    percentiles = tuple(Target(_quantile(q, spec), f"p{round(q * 100)}") for q in quantiles)
+    return (*percentiles, Target(_mean(spec), "mean"))
+
+
+def _by_replica(spec: m.MetricSpec, aggregation: str = "max") -> str:
+    return f"{aggregation} by (replica) ({_series(spec)}{SELECTOR})"
+
+
+def _increase_by(spec: m.MetricSpec, by: str) -> str:
+    return f"sum by ({by}) (increase({_series(spec)}{SELECTOR}{RATE}))"
+
+
+LATENCY = Row("Latency", (
+    Panel("Time to first token",
+          "Arrival to first token, measured in the engine (vLLM semantics).", "s",
+          _latency_targets(m.TIME_TO_FIRST_TOKEN, (0.5, 0.95, 0.99))),
+    Panel("Inter-token latency",
+          "Gap between consecutive tokens of a request, pooled over requests.", "s",
+          _latency_targets(m.INTER_TOKEN_LATENCY, (0.5, 0.99))),
+    Panel("End-to-end request latency", "Arrival to finish.", "s",
+          _latency_targets(m.E2E_REQUEST_LATENCY, (0.5, 0.95, 0.99))),
+    Panel("Queue, prefill and decode time (mean)",
+          "Where a request's time goes: waiting, prefill, decode.", "s",
+          (Target(_mean(m.REQUEST_QUEUE_TIME), "queue"),
+           Target(_mean(m.REQUEST_PREFILL_TIME), "prefill"),
+           Target(_mean(m.REQUEST_DECODE_TIME), "decode"))),
+))
+
+THROUGHPUT = Row("Throughput", (
+    Panel("Token throughput", "Prompt (prefill) and generation tokens per second, all replicas.",
+          "tokens/s",
+          (Target(f"sum(rate({_series(m.PROMPT_TOKENS)}{SELECTOR}{RATE}))", "prompt tokens/s"),
+           Target(f"sum(rate({_series(m.GENERATION_TOKENS)}{SELECTOR}{RATE}))",
+                  "generation tokens/s"))),
+    Panel("Finish reasons", "Finished requests per interval by finish reason.", "short",
+          (Target(_increase_by(m.REQUEST_SUCCESS, "finished_reason"), "{{finished_reason}}"),),
+          stacked=True),
+    Panel("Tokens per engine step",
+          "Batch size in tokens: continuous batching keeps this high and steady.", "short",
+          (Target(_quantile(0.5, m.ITERATION_TOKENS), "p50"),
+           Target(_quantile(0.99, m.ITERATION_TOKENS), "p99"))),
+    Panel("Prefix-cache hit rate", "Prompt tokens found in the prefix cache / looked up.",
+          "percentunit",
+          (Target(f"sum(rate({_series(m.PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
+                  f"(sum(rate({_series(m.PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
+                  "hit rate"),),
+          max_value=1.0),
+))
+
+SCHEDULER = Row("Scheduler and KV cache", (
+    Panel("Running and waiting requests per replica", "The batch and the queue of each replica.",
+          "short",
+          (Target(_by_replica(m.NUM_REQUESTS_RUNNING), "{{replica}} running"),
+           Target(_by_replica(m.NUM_REQUESTS_WAITING), "{{replica}} waiting"))),
+    Panel("KV-cache usage per replica",
+          "Used / total KV blocks; the dashed line is the router's high watermark.",
+          "percentunit", (Target(_by_replica(m.KV_CACHE_USAGE_PERC), "{{replica}}"),),
+          max_value=1.0, threshold_line=DEFAULT_KV_WATERMARK),
+    Panel("Preemptions and out-of-blocks events",
+          "Per interval: requests preempted (recomputed) and steps that ran out of KV blocks.",
+          "short",
+          (Target(_increase_by(m.NUM_PREEMPTIONS, "replica"), "{{replica}} preemptions"),
+           Target(_increase_by(m.NUM_OUT_OF_BLOCKS, "replica"), "{{replica}} out of blocks"))),
+))
+
+_GPU_UTILISATION = (
+    Target("avg by (gpu, Hostname) (DCGM_FI_DEV_GPU_UTIL)", "dcgm {{Hostname}} gpu {{gpu}}",
+           requires="gpu"),
+    Target("100 * avg by (uuid) (nvidia_smi_utilization_gpu_ratio)", "nvidia-smi {{uuid}}",
+           requires="gpu"),
+    Target("avg by (GpuIndex, instance) (ray_node_gpus_utilization)",
+           "ray {{instance}} gpu {{GpuIndex}}", requires="gpu"),
+)
+
+FLEET = Row("Fleet: replicas, router, autoscaler, GPUs", (
+    Panel("Replicas vs autoscaler target",
+          "Replicas reporting engine metrics, and the count the autoscaling policy asked for.",
+          "short",
+          (Target(f"count(count by (replica) ({_series(m.NUM_REQUESTS_RUNNING)}{SELECTOR}))",
+                  "replicas"),
+           Target(f"max({_series(m.AUTOSCALER_TARGET_REPLICAS)}{SELECTOR})", "target",
+                  requires="autoscaler"))),
+    Panel("Router decisions per replica", "Requests per second the router sent to each replica.",
+          "reqps",
+          (Target(f"sum by (replica) (rate({_series(m.ROUTER_DECISIONS)}{SELECTOR}{RATE}))",
+                  "{{replica}}", requires="router"),),
+          stacked=True),
+    Panel("GPU utilisation", "From an NVML exporter when one is scraped (empty on CPU).",
+          "percent", _GPU_UTILISATION, width=24, max_value=100.0),
+))
+
+ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET)
+
+
+def all_targets() -> list[tuple[Panel, Target]]:
+    return [(panel, target) for row in ROWS for panel in row.panels for target in panel.targets]
+
+
+def render_query(expr: str, model_name: str = ".*", rate_interval: str = "1m") -> str:
+    """Substitute Grafana's variables, to run a panel query against Prometheus directly."""
+    return expr.replace("$__rate_interval", rate_interval).replace("$model_name", model_name)
