@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class RouterConfig(BaseModel):
     """How `rank_replicas` orders replicas. See autoscale/README_SECTION.md for the table."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
+    # The served model's name: the `model_name` label of the router's metrics.
+    model_name: str = "iterserve"
     kv_high_watermark: float = Field(
         0.90, gt=0.0, le=1.0,
         description="KV usage at or above which a replica is 'hot' and ranked last.",
@@ -79,8 +81,10 @@ class RouterConfig(BaseModel):
 class AutoscaleConfig(BaseModel):
     """When `desired_replicas` adds or removes replicas."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
+    # The served model's name: the `model_name` label of the target-replicas gauge.
+    model_name: str = "iterserve"
     min_replicas: int = Field(1, ge=0, description="Lower bound on replicas.")
     max_replicas: int = Field(4, ge=1, description="Upper bound on replicas.")
     target_waiting_per_replica: float = Field(

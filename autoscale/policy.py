@@ -206,10 +206,15 @@ class KVAutoscalingPolicy:
     controller with policy_kwargs and calls it with an AutoscalingContext every tick."""
 
     def __init__(self, **policy_kwargs: Any) -> None:  # noqa: ANN401
+        from iterserve.dashboards.metrics import AutoscalerMetrics
+
         self.config = AutoscaleConfig(**policy_kwargs)
+        self._metrics = AutoscalerMetrics(self.config.model_name)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:  # noqa: ANN401
-        return desired_replicas(context_from_serve(ctx, self.config), self.config)
+        target, state = desired_replicas(context_from_serve(ctx, self.config), self.config)
+        self._metrics.set_target_replicas(target)
+        return target, state
 
 
 def serve_autoscaling_config(config: AutoscaleConfig) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from iterserve.autoscale.router_policy import (
     to_rank_groups,
 )
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.dashboards.metrics import RouterMetrics
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
 
@@ -107,6 +108,7 @@ class KVAwareRouter(RequestRouter):
         )
         self._in_flight: InFlightTracker[ReplicaID] = InFlightTracker()
         self._rng = random.Random()
+        self._metrics = RouterMetrics(self.config.model_name)
 
     def _ensure_state(self) -> None:
         # Serve calls initialize_state(**request_router_kwargs) right after construction;
@@ -178,6 +180,7 @@ class KVAwareRouter(RequestRouter):
             prompt_tokens=num_tokens,
         )
         self._affinity.record(key, replica_id)
+        self._metrics.record_decision(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()

@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve import Application
 
+from iterserve.deploy.engine_info import resolve_model_path
 from iterserve.deploy.ingress import OpenAIIngress
 from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, LLMReplica, replica_actor_options
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
@@ -139,18 +141,21 @@ def routing_and_scaling_options(app_args: AppArgs) -> dict[str, Any]:
     from iterserve.autoscale.policy import serve_autoscaling_config
     from iterserve.autoscale.router import request_router_config_dict
 
+    engine_config = app_args.engine_config()
+    model_name = engine_config.served_model_name or Path(resolve_model_path(engine_config)).name
     options: dict[str, Any] = {}
     if app_args.request_router_config is not None:
         options["request_router_config"] = app_args.request_router_config
     elif app_args.router != "pow2":
-        block_size = app_args.engine_config().cache.block_size
         options["request_router_config"] = request_router_config_dict(RouterConfig(
-            prefix_affinity=app_args.router == "kv-prefix", prefix_block_size=block_size))
+            model_name=model_name, prefix_affinity=app_args.router == "kv-prefix",
+            prefix_block_size=engine_config.cache.block_size))
     if app_args.autoscaling_config is not None:
         options["autoscaling_config"] = app_args.autoscaling_config
     elif app_args.num_replicas == "auto":
         options["autoscaling_config"] = serve_autoscaling_config(AutoscaleConfig(
-            min_replicas=app_args.min_replicas, max_replicas=app_args.max_replicas))
+            model_name=model_name, min_replicas=app_args.min_replicas,
+            max_replicas=app_args.max_replicas))
     return options
 
 

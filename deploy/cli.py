@@ -32,6 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "serve a model behind the OpenAI-compatible API on Ray Serve"),
     "make-model": ("iterserve.deploy.cli", "make_model",
                    "write a tiny random-weight checkpoint: iterserve make-model DIR --seed N"),
+    "bench": ("iterserve.loadtests.bench", "main",
+              "static vs continuous batching over HTTP on one seeded workload"),
+    "dashboards": ("iterserve.dashboards.cli", "main",
+                   "Grafana dashboards: `generate` the JSON, `push` it with grafana-client"),
 }
 
 Runner = Callable[[list[str]], "int | None"]
