@@ -3,8 +3,9 @@
 Starts the server (embedded Ray, tiny model, CPU) and Debian's Prometheus with a 1 s scrape
 of the server's GET /metrics (the generated embedded config, retargeted), sends a short
 bounded load, then runs each panel query through Prometheus's HTTP API: every query must
-parse, and every query that needs only the engine must return data. Router, autoscaler and
-GPU queries must parse; they return data only where those components publish metrics.
+parse, and every query of the engine and of the router (the app routes with KVAwareRouter
+by default) must return data. Autoscaler and GPU queries must parse; they return data only
+with num_replicas=auto and on a GPU.
 Also lints the live exposition with promtool. Skips when the prometheus binary is missing
 (install it with dashboards/install_prometheus.sh).
 """
@@ -122,10 +123,10 @@ def test_every_panel_query_runs_on_prometheus(server: tuple[str, str], prometheu
             failed.append(f"{panel.title} / {target.legend}: {result.get('error')} :: {expr}")
             continue
         values = [float(series["value"][1]) for series in result["data"]["result"]]
-        if target.requires == "engine" and not any(math.isfinite(v) for v in values):
+        if target.requires in ("engine", "router") and not any(math.isfinite(v) for v in values):
             empty.append(f"{panel.title} / {target.legend}: {values} :: {expr}")
     assert failed == [], "queries Prometheus rejected:\n" + "\n".join(failed)
-    assert empty == [], "engine queries without data:\n" + "\n".join(empty)
+    assert empty == [], "engine or router queries without data:\n" + "\n".join(empty)
 
 
 def test_live_exposition_passes_promtool_but_for_the_reserved_colon(
