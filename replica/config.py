@@ -43,7 +43,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_bytes: int = 512 * 1024**2  # the KV budget when running on CPU
     enable_prefix_caching: bool = True
-    swap_space: float = 0.0  # GiB of host memory for swapped blocks; recompute is the default
+    # GiB of host memory for swapped-out blocks. Only 0 is accepted: preemption recomputes
+    # (vLLM v1's choice too); the flag exists so vLLM command lines fail loudly, not silently.
+    swap_space: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -53,7 +55,9 @@ class CacheConfig:
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                  f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
-        _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
+        _require(self.swap_space == 0,
+                 f"swap_space={self.swap_space}: swapping KV blocks to host memory is not "
+                 "implemented; preemption recomputes instead. Leave swap_space at 0")
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,8 @@ def test_dummy_load_format_needs_no_weights(tmp_path: object) -> None:
         LLM(str(folder))
     out = LLM(str(folder), load_format="dummy").generate([[1, 2, 3]], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 24
+
+
+def test_swap_space_is_refused_rather_than_ignored() -> None:
+    with pytest.raises(ValueError, match="recomputes"):
+        EngineConfig.from_kwargs(swap_space=4)
