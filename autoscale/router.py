@@ -35,6 +35,7 @@ from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import (
+    FIFOMixin,
     PendingRequest,
     ReplicaID,
     ReplicaResult,
@@ -94,11 +95,15 @@ def extract_max_tokens(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     return 0
 
 
-class KVAwareRouter(RequestRouter):
+class KVAwareRouter(FIFOMixin, RequestRouter):
     """Ranks replicas by KV watermark, waiting queue and KV usage; optional prefix affinity.
 
     Serve builds it (do not override __init__) and calls `initialize_state(**kwargs)` with
     `RequestRouterConfig.request_router_kwargs`, i.e. `RouterConfig(...).model_dump()`.
+
+    FIFOMixin hands a chosen replica to the oldest pending request, as Ray's default router
+    does. Without it, Ray 2.60's exact-match hand-off could leave one of two requests that
+    were pending at once unrouted for good (a hang seen with a two-prompt completion).
     """
 
     def initialize_state(self, **kwargs: Any) -> None:  # noqa: ANN401
