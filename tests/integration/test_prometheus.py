@@ -113,6 +113,12 @@ def test_every_panel_query_runs_on_prometheus(server: tuple[str, str], prometheu
     url, model = server
     _send_load(url, model)
     _wait_for(lambda: _generated_tokens(prometheus) > 0, 30, "no generation tokens scraped")
+    # A second wave after Prometheus has seen the first: rate() needs a series to grow
+    # between two scrapes, and on a slow box the whole first wave can land in one.
+    first_wave = _generated_tokens(prometheus)
+    _send_load(url, model)
+    _wait_for(lambda: _generated_tokens(prometheus) > first_wave, 30,
+              "the second wave was not scraped")
     time.sleep(3)  # a few more 1 s scrapes, so every rate() window holds several points
 
     empty, failed = [], []
