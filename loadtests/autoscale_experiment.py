@@ -28,7 +28,7 @@ from typing import Any
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.autoscale.policy import autoscaling_env_vars, serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config
-from iterserve.loadtests.routing_experiment import (
+from iterserve.loadtests.sim_harness import (
     RESULTS_DIR,
     ReplicaStatsPoller,
     RequestSpec,

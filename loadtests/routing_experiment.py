@@ -10,8 +10,8 @@ no HTTP proxy or ingress spends the 2 CPUs. The workload, engine settings and si
 are identical across arms. Writes loadtests/results/routing.md, routing.json and
 routing_kv.png (per-replica KV usage over time), routing_ttft.png.
 
-The load-driving harness here (workload, `drive`, `ReplicaStatsPoller`, `start_ray`) is
-shared with `autoscale_experiment` and the Ray integration tests.
+The load-driving harness (`drive`, `ReplicaStatsPoller`, `start_ray`) lives in
+`sim_harness`, shared with `autoscale_experiment` and the Ray integration tests.
 """
 
 from __future__ import annotations
@@ -24,14 +24,21 @@ import os
 import random
 import sys
 import time
-import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPLICA_DEPLOYMENT = "LLMReplica"
+from iterserve.loadtests.sim_harness import (
+    RESULTS_DIR,
+    ReplicaStatsPoller,
+    RequestRecord,
+    RequestSpec,
+    drive,
+    percentile,
+    replica_app,
+    start_ray,
+)
 
 # The simulated GPU runs in slow motion (time_scale) so that 4-8 replicas' token streams fit
 # in 2 CPU cores; every arm uses the same factor, so comparisons are fair.
@@ -70,14 +77,6 @@ class WorkloadConfig:
     vocab_size: int = 4096
 
 
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    send_at: float  # seconds after the start
-    prompt_token_ids: list[int]
-    max_tokens: int
-    is_long: bool
-
 
 def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
     """A seeded, skewed, bursty request list (same seed, same list)."""
@@ -111,193 +110,6 @@ def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
         specs.append(RequestSpec(f"req-{cfg.seed}-{i}", at, prompt, rng.randint(olo, ohi),
                                  is_long))
     return specs
-
-
-# ------------------------------------------------------------------------------ driving
-@dataclass
-class RequestRecord:
-    request_id: str
-    sent: float
-    is_long: bool
-    first_token: float | None = None
-    finished: float | None = None
-    num_tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.sent
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.finish_reason in ("length", "stop")
-
-
-REQUEST_TIMEOUT_S = 300.0  # a request still streaming after this counts as failed
-
-
-async def _one(handle: Any, spec: RequestSpec, t0: float) -> RequestRecord:  # noqa: ANN401
-    delay = t0 + spec.send_at - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    rec = RequestRecord(spec.request_id, time.monotonic(), spec.is_long)
-    try:
-        await asyncio.wait_for(_stream_into(handle, spec, rec), REQUEST_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        rec.error = f"timeout after {REQUEST_TIMEOUT_S:.0f}s"
-    rec.finished = time.monotonic()
-    return rec
-
-
-async def _stream_into(handle: Any, spec: RequestSpec, rec: RequestRecord) -> None:  # noqa: ANN401
-    from iterserve.replica.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=spec.max_tokens, seed=zlib.crc32(spec.request_id.encode()),
-                            ignore_eos=True)
-    last = None
-    try:
-        stream = handle.options(stream=True).generate.remote(
-            spec.prompt_token_ids, params, spec.request_id
-        )
-        async for out in stream:
-            now = time.monotonic()
-            new = getattr(out, "new_token_ids", None)
-            if new is None:  # deploy's EngineErrorInfo record
-                rec.error = repr(out)
-                break
-            if rec.first_token is None:
-                rec.first_token = now
-            elif last is not None:
-                rec.gaps.append(now - last)
-            last = now
-            rec.num_tokens += len(new)
-            if out.finished:
-                rec.finish_reason = out.finish_reason
-    except Exception as error:  # noqa: BLE001 - recorded as a failed request, reported
-        rec.error = f"{type(error).__name__}: {error}"
-
-
-async def drive(handle: Any, specs: Sequence[RequestSpec]) -> tuple[float, list[RequestRecord]]:  # noqa: ANN401
-    """Send every spec at its time; returns (t0 on the monotonic clock, records)."""
-    t0 = time.monotonic() + 0.5
-    tasks = [asyncio.ensure_future(_one(handle, s, t0)) for s in specs]
-    pending = set(tasks)
-    while pending:
-        _, pending = await asyncio.wait(pending, timeout=15.0)
-        print(f"  {time.monotonic() - t0:6.1f}s: {len(specs) - len(pending)}/{len(specs)} "
-              "requests done", flush=True)
-    return t0, [t.result() for t in tasks]
-
-
-class ReplicaStatsPoller:
-    """Polls every replica actor's record_routing_stats (what the controller calls)."""
-
-    def __init__(self, app_name: str, deployment: str = REPLICA_DEPLOYMENT,
-                 period_s: float = 0.5) -> None:
-        self.prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-        self.period_s = period_s
-        self.samples: list[dict[str, Any]] = []  # t (monotonic), replica, stats...
-        self.counts: list[dict[str, Any]] = []  # t, running, starting, stopping
-        self.app_name = app_name
-        self.deployment = deployment
-        self._task: asyncio.Task | None = None
-
-    def _actors(self) -> list[str]:
-        import ray
-
-        names = ray.util.list_named_actors(all_namespaces=True)
-        return [n["name"] for n in names if n["name"].startswith(self.prefix)]
-
-    def poll_once(self) -> None:
-        """One synchronous poll (RPCs with timeouts); run it in a thread from async code."""
-        import ray
-        from ray import serve
-
-        now = time.monotonic()
-        names = self._actors()
-        refs = []
-        for name in names:
-            try:
-                refs.append((name, ray.get_actor(name, namespace="serve")
-                             .record_routing_stats.remote()))
-            except ValueError:
-                continue  # stopped between listing and calling
-        for name, ref in refs:
-            try:
-                stats = ray.get(ref, timeout=2.0)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
-                continue  # starting, stopping or too busy: skip this sample
-            if stats:
-                self.samples.append({"t": now, "replica": name[len(self.prefix):], **stats})
-        status = serve.status().applications.get(self.app_name)
-        if status is not None and self.deployment in status.deployments:
-            states = status.deployments[self.deployment].replica_states
-            self.counts.append({"t": now, **{str(k.value if hasattr(k, "value") else k): v
-                                             for k, v in states.items()}})
-
-    async def _poll_once(self) -> None:
-        await asyncio.to_thread(self.poll_once)
-
-    async def _loop(self) -> None:
-        while True:
-            await self._poll_once()
-            await asyncio.sleep(self.period_s)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=5.0)
-
-
-def start_ray(env: dict[str, str] | None = None, num_cpus: int = 16) -> None:
-    """A local Ray + Serve (no dashboard, no HTTP proxy); env exported before ray.init."""
-    import ray
-    from ray import serve
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    for key, value in (env or {}).items():
-        os.environ[key] = value
-    # address="local": always a fresh cluster, never someone else's on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 1024**2)
-    serve.start(http_options={"host": "127.0.0.1", "port": 0}, proxy_location="Disabled")
-
-
-def replica_app(engine_kwargs: dict[str, Any], num_replicas: int | None = None,
-                router: Any = None, autoscaling: dict[str, Any] | None = None,  # noqa: ANN401
-                drain_timeout_s: float = 60.0, max_ongoing_requests: int = 512
-                ) -> Any:  # noqa: ANN401
-    """deploy's LLMReplica, bound with the given router / autoscaling options."""
-    from iterserve.deploy.replica import LLMReplica
-
-    options: dict[str, Any] = {
-        "max_ongoing_requests": max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": 0},
-        "graceful_shutdown_timeout_s": drain_timeout_s + 5,
-        "graceful_shutdown_wait_loop_s": 0.5,
-    }
-    if autoscaling is not None:
-        options["autoscaling_config"] = autoscaling
-    else:
-        options["num_replicas"] = num_replicas or 1
-    if router is not None:
-        options["request_router_config"] = router
-    return LLMReplica.options(**options).bind(None, engine_kwargs, drain_timeout_s)
-
-
-# ------------------------------------------------------------------------------ metrics
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def preemptions_between(samples: Sequence[dict[str, Any]]) -> int:

@@ -26,7 +26,7 @@ def ray_serve():
     pytest.importorskip("iterserve.deploy.replica")
     from ray import serve
 
-    from iterserve.loadtests.routing_experiment import start_ray
+    from iterserve.loadtests.sim_harness import start_ray
 
     env = autoscaling_env_vars(SCALING)
     env["ITERSERVE_SIM_COST_MODEL"] = json.dumps({"time_scale": 5.0})
