@@ -1,0 +1,77 @@
+"""The contract between routing / autoscaling policies and their callers.
+
+Callers: the Ray adapters (`autoscale/router.py`, `autoscale/policy.py`) and the cluster
+simulator. A routing policy sees one `RoutingContext` per request and names the replica it
+chooses; its state (round-robin cursor, prefix tree, affinity table) lives on the policy
+object and changes only through the `on_*` hooks, so the same object runs unchanged in Ray
+and in the simulator. Nothing here reads a clock, touches Ray or sleeps.
+
+Invariant: `choose` returns the `replica_id` of one of `ctx.replicas` (never empty).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from iterserve.autoscale.policy import ScalingContext
+from iterserve.autoscale.router_policy import Correction
+from iterserve.autoscale.signals import ReplicaLoad
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router knows of one request before it is sent."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    arrival_time: float
+    session_id: str | None = None  # tenant / conversation, when the workload has one
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One candidate replica as this router sees it now.
+
+    load: the replica's last reported stats (stale by up to routing_stats_period_s; None
+    before the first report). correction: what this router sent it that `load` cannot
+    reflect yet. ongoing: requests this router has in flight at the replica (Serve's queue
+    length, what power-of-two compares). cached_prefix_tokens: the replica's own answer to
+    "how many leading tokens of this prompt do you hold in your prefix cache", from the
+    block hashes it reports with its stats (None when the caller has no such report).
+    """
+
+    replica_id: Hashable
+    load: ReplicaLoad | None
+    correction: Correction = field(default_factory=lambda: Correction(requests=0))
+    ongoing: int = 0
+    cached_prefix_tokens: Callable[[Sequence[int]], int] | None = None
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    request: RouteRequest
+    replicas: Sequence[ReplicaView]
+    now: float
+    block_size: int  # the engines' KV block size (the router's prefix granularity)
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable: ...
+
+    def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None: ...
+
+    def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None: ...
+
+    def on_replicas_changed(self, replica_ids: Sequence[Hashable]) -> None: ...
+
+
+class AutoscalingPolicy(Protocol):
+    name: str
+
+    def desired_replicas(self, ctx: ScalingContext) -> int: ...
