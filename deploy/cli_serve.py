@@ -61,6 +61,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--dtype",), "dtype", str, DTYPES),
     EngineFlag(("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS),
     EngineFlag(("--device",), "device", str, None, "auto, cuda or cpu"),
+    EngineFlag(("--cpu-threads",), "cpu_threads", int, None,
+               "torch threads on CPU (default: every core but one, left to the HTTP proxy)"),
     EngineFlag(("--max-waiting-requests",), "max_waiting_requests", int, None,
                "bound of each replica's waiting queue; beyond it requests get 429"),
     EngineFlag(("--max-logprobs",), "max_logprobs", int, None),

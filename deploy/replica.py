@@ -53,6 +53,14 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The replica's engine settings: cpu_threads defaults to every core but one, so the
+    engine's matmuls leave a core to this node's HTTP proxy and ingress."""
+    from iterserve.replica.config import replica_cpu_threads
+
+    return {"cpu_threads": replica_cpu_threads(), **(engine_kwargs or {})}
+
+
 def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
     """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
     try:
@@ -80,7 +88,7 @@ class LLMReplica:
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         from iterserve.replica import AsyncLLMEngine, EngineConfig
 
-        config = EngineConfig.from_kwargs(model=model, **(engine_kwargs or {}))
+        config = EngineConfig.from_kwargs(model=model, **replica_engine_kwargs(engine_kwargs))
         self.engine = AsyncLLMEngine(config)
         self._replica_id = self._current_replica_id()
         self._stat_logger = _install_stat_logger(self.engine, self._replica_id)

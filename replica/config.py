@@ -9,6 +9,7 @@ max_num_seqs (max_batch_size), max_num_batched_tokens (max_num_tokens), enable_c
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,16 @@ KWARG_ALIASES = {
     "kv_cache_free_gpu_memory_fraction": "gpu_memory_utilization",
     "tokens_per_block": "block_size",
 }
+
+
+def offline_cpu_threads() -> int:
+    """LLM()'s default: the whole machine is the offline job's."""
+    return os.cpu_count() or 1
+
+
+def replica_cpu_threads() -> int:
+    """A Serve replica's default: every core but one, left to the HTTP proxy and ingress."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -128,8 +139,9 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     served_model_name: str | None = None
     max_logprobs: int = 20
-    # torch intra-op threads on CPU. One by default: a tiny model's ops are too small to split,
-    # and spinning worker threads collapse throughput when other processes share the cores.
+    # torch intra-op threads on CPU (process-wide). One for an engine embedded in another
+    # process; the entry points pass their own: LLM() every core (`offline_cpu_threads`), a
+    # Serve replica all but one (`replica_cpu_threads`), leaving a core to the ingress and proxy.
     cpu_threads: int | None = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
