@@ -64,6 +64,7 @@ def test_split_counts_with_empty_and_full_splits(num_kv_splits: int) -> None:
     _check([1] * 4, seq_lens, 4, num_kv_splits, num_kv_heads=1, group=2, head_dim=32, block_size=16)
 
 
+@pytest.mark.slow
 def test_split_counts_1_to_64_on_one_sequence() -> None:
     batch = make_paged_batch([1], [200], num_kv_heads=1, group=2, head_dim=16, block_size=16,
                              dtype=torch.float32, seed=1)  # fmt: skip
