@@ -143,11 +143,16 @@ class HandleEngineClient:
                 async for item in gen:
                     if isinstance(item, EngineErrorInfo):
                         complete = True
+                        if item.retry_elsewhere and attempt < MAX_ATTEMPTS:
+                            break  # nothing started on that replica: send it once more
                         raise item.to_http()
                     started = True
                     yield item
-                complete = True
-                return
+                else:
+                    complete = True
+                    return
+                logger.warning("request %s: its replica cannot serve (%s); retrying (attempt %d)",
+                               request_id, item.message, attempt + 1)
             except (OpenAIHTTPError, asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as error:  # noqa: BLE001 - Ray errors become HTTP errors
