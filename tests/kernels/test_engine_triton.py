@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from iterserve.replica import LLM, SamplingParams
-from iterserve.replica.make_model import default_model_path
+from iterserve.replica.make_model import default_model_path, write_model
 
 
 @pytest.mark.slow
@@ -20,3 +22,12 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch() -> None:
         assert llm.engine.runner.ops.name == backend
         outputs[backend] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_unsupported_head_dim_is_refused_at_engine_start(tmp_path: Path) -> None:
+    # head_dim 72 (a 576-wide model with 8 heads): no padded power-of-two tile serves it.
+    folder = write_model(tmp_path / "hd72", arch="llama", overrides={
+        "hidden_size": 576, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 72})
+    with pytest.raises(ValueError, match="head_dim 72 is not supported by the Triton"):
+        LLM(str(folder), attention_backend="triton", dtype="float32")
+    LLM(str(folder), attention_backend="torch", dtype="float32")  # the torch path serves it
