@@ -95,7 +95,11 @@ def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]
              hidden, hidden if add else 0, hidden, 1e-5),
             {"ADD_RESIDUAL": add, "BLOCK": block}, elementwise_num_warps(block), 3,
         )  # fmt: skip
-    for num_heads, num_kv_heads, head_dim in [(32, 8, 128), (32, 8, 64)]:
+    # Positions and slots: int64 from the eager step, int32 from the packed CUDA-graph inputs.
+    for (num_heads, num_kv_heads, head_dim), index in [
+        ((32, 8, 128), torch.int64), ((32, 8, 128), torch.int32), ((32, 8, 64), torch.int64)
+    ]:
+        index_tag = "i64" if index == torch.int64 else "i32"
         qkv = torch.empty(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
         q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -104,9 +108,9 @@ def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]
         half = head_dim // 2
         block_half = next_power_of_2(half)
         block_h = min(next_power_of_2(max(num_heads, num_kv_heads)), max(1, 2048 // block_half))
-        yield f"rotary[D={head_dim},{tag}]", Launch(
+        yield f"rotary[D={head_dim},{tag},{index_tag}]", Launch(
             "rotary", rotary_embedding_kernel, (tokens,),
-            (torch.empty(tokens, dtype=torch.int64), q, k, cos_sin, q.stride(0), q.stride(1),
+            (torch.empty(tokens, dtype=index), q, k, cos_sin, q.stride(0), q.stride(1),
              k.stride(0), k.stride(1), cos_sin.stride(0), num_heads, num_kv_heads, half),
             {"BLOCK_H": block_h, "BLOCK_HALF": block_half}, 4, 3,
         )  # fmt: skip
@@ -114,9 +118,9 @@ def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]
         cache = torch.empty(64, 16, num_kv_heads, head_dim, dtype=dtype)
         block_d = next_power_of_2(head_dim)
         block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
-        yield f"write_kv_cache[D={head_dim},{tag}]", Launch(
+        yield f"write_kv_cache[D={head_dim},{tag},{index_tag}]", Launch(
             "write_kv_cache", write_kv_cache_kernel, (tokens, 1),
-            (k, v, cache, torch.empty_like(cache), torch.empty(tokens, dtype=torch.int64),
+            (k, v, cache, torch.empty_like(cache), torch.empty(tokens, dtype=index),
              k.stride(0), k.stride(1), v.stride(0), v.stride(1),
              cache.stride(0), cache.stride(1), cache.stride(2), num_kv_heads, head_dim),
             {"BLOCK_SIZE": 16, "BLOCK_H": block_h, "BLOCK_D": block_d}, 4, 3,
