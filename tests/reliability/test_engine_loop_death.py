@@ -24,7 +24,7 @@ import pytest
 from reliability_support import SIM_ENGINE, SIM_FAULT_FILE, run_async, serve_actor_pids
 from test_replica_crash import llm_replica_states
 
-from iterserve.loadtests.chaos import Outcome, run_request
+from iterserve.loadtests.chaos import Outcome, closed_loop_streams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,18 +36,8 @@ CLIENT_TIMEOUT_S = 60.0
 
 
 async def load_with_fault(base_url: str) -> dict[str, Any]:
-    outcomes: list[tuple[float, Outcome]] = []
     start = time.monotonic()
     fault: dict[str, Any] = {}
-
-    async def client(i: int) -> None:
-        n = 0
-        while time.monotonic() - start < RUN_S:
-            body = {"prompt": f"client {i} request {n}", "max_tokens": MAX_TOKENS, "stream": True,
-                    "temperature": 0, "ignore_eos": True}
-            offset = time.monotonic() - start
-            outcomes.append((offset, await run_request(http, body, timeout_s=CLIENT_TIMEOUT_S)))
-            n += 1
 
     async def injector() -> None:
         await asyncio.sleep(FAULT_AT_S)
@@ -72,7 +62,9 @@ async def load_with_fault(base_url: str) -> dict[str, Any]:
 
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
     async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
-        await asyncio.gather(injector(), *[client(i) for i in range(NUM_CLIENTS)])
+        outcomes, _ = await asyncio.gather(
+            closed_loop_streams(http, NUM_CLIENTS, RUN_S, MAX_TOKENS, CLIENT_TIMEOUT_S),
+            injector())
     return {"outcomes": outcomes, **fault}
 
 
