@@ -7,6 +7,7 @@ import pytest
 from iterserve.loadtests import offline_bench
 
 
+@pytest.mark.slow  # ~40 s on the shared 2-core box: 4 requests of up to 1024 + 512 tokens
 def test_throughput_table_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     offline_bench.main(["--part", "throughput", "--model", "iterserve-tiny", "--num-requests",
                         "4", "--concurrency", "2", "--rounds", "2", "--skip-hf", "--threads", "1"])
