@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 
-# Small real engines on CPU: the built-in tiny model, short context, few KV blocks.
+# Small real engines on CPU: the tiny random-weight model, short context, few KV blocks.
 TINY_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",
     "device": "cpu",
     "max_model_len": 128,
     "num_gpu_blocks_override": 64,
@@ -251,6 +252,7 @@ def run_async(coro: Any, timeout_s: float) -> Any:
 SIM_FAULT_FILE = os.path.join(tempfile.gettempdir(), f"iterserve-sim-fault-{os.getpid()}")
 SIM_COST = {"a_s": 0.02, "fault_trigger_file": SIM_FAULT_FILE}
 SIM_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",  # only its config and tokenizer are read
     "runner": "simulated",
     "max_model_len": 1024,
     "num_gpu_blocks_override": 256,
