@@ -19,60 +19,13 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from iterserve.replica.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, SCHEDULER_POLICIES
+from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.replica.config import engine_settings
 
 logger = logging.getLogger("iterserve.serve")
-
-
-@dataclass(frozen=True)
-class EngineFlag:
-    flags: tuple[str, ...]  # first is the vLLM name, the rest aliases
-    dest: str  # EngineConfig.from_kwargs name
-    type: Any = int
-    choices: tuple[str, ...] | None = None
-    help: str = ""
-
-
-ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag(("--served-model-name",), "served_model_name", str, None,
-               "model name in the API (default: the model folder or file name)"),
-    EngineFlag(("--max-num-seqs", "--max-batch-size"), "max_num_seqs", int, None,
-               "most requests in one batch"),
-    EngineFlag(("--max-num-batched-tokens", "--max-num-tokens"), "max_num_batched_tokens",
-               int, None, "token budget of one iteration"),
-    EngineFlag(("--gpu-memory-utilization", "--kv-cache-free-gpu-memory-fraction"),
-               "gpu_memory_utilization", float, None, "fraction of GPU memory for the engine"),
-    EngineFlag(("--block-size", "--tokens-per-block"), "block_size", int, None,
-               "tokens per KV block"),
-    EngineFlag(("--scheduler-policy",), "scheduler_policy", str, SCHEDULER_POLICIES),
-    EngineFlag(("--batching",), "batching", str, BATCHING_MODES,
-               "continuous (iteration-level) or static batching"),
-    EngineFlag(("--max-model-len",), "max_model_len", int, None, "context length"),
-    EngineFlag(("--num-gpu-blocks-override",), "num_gpu_blocks_override", int, None,
-               "number of KV blocks (skips profiling)"),
-    EngineFlag(("--cpu-kv-cache-bytes",), "cpu_kv_cache_bytes", int, None,
-               "KV cache budget on CPU"),
-    EngineFlag(("--swap-space",), "swap_space", float, None,
-               "GiB of host swap for KV blocks (only 0: preemption recomputes)"),
-    EngineFlag(("--dtype",), "dtype", str, DTYPES),
-    EngineFlag(("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS),
-    EngineFlag(("--device",), "device", str, None, "auto, cuda or cpu"),
-    EngineFlag(("--max-waiting-requests",), "max_waiting_requests", int, None,
-               "bound of each replica's waiting queue; beyond it requests get 429"),
-    EngineFlag(("--max-logprobs",), "max_logprobs", int, None),
-    EngineFlag(("--admission-min-free-slots",), "admission_min_free_slots", int),
-    EngineFlag(("--admission-max-wait-ms",), "admission_max_wait_ms", float),
-    EngineFlag(("--seed",), "seed", int, None, "engine random seed"),
-)
-ENGINE_BOOL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--enable-chunked-prefill", "--enable-chunked-context"), "enable_chunked_prefill"),
-    (("--enable-prefix-caching",), "enable_prefix_caching"),
-    (("--enforce-eager",), "enforce_eager"),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-ingress-replicas", type=int, default=1)
     parser.add_argument("--router", choices=("kv-prefix", "kv", "pow2"), default="kv-prefix",
                         help="KV-aware router with or without prefix affinity, or Ray's default")
-    parser.add_argument("--min-replicas", type=int, default=1, help="with --num-replicas auto")
-    parser.add_argument("--max-replicas", type=int, default=4, help="with --num-replicas auto")
-    parser.add_argument("--sim-cost-model", default=None,
-                        help="simulated runner's cost model: a JSON file or inline JSON")
+    bounds = AutoscaleConfig.model_fields
+    parser.add_argument("--min-replicas", type=int, default=bounds["min_replicas"].default,
+                        help=f"with --num-replicas auto: {bounds['min_replicas'].description}")
+    parser.add_argument("--max-replicas", type=int, default=bounds["max_replicas"].default,
+                        help=f"with --num-replicas auto: {bounds['max_replicas'].description}")
     parser.add_argument("--max-ongoing-requests", type=int, default=256,
                         help="Serve's per-replica in-flight bound")
     parser.add_argument("--num-gpus-per-replica", type=float, default=None,
@@ -112,24 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --address: deploy and exit instead of staying attached")
     parser.add_argument("--simulate", action="store_true",
                         help="use the simulated runner (cost model, no GPU): --runner simulated")
-    parser.add_argument("--runner", choices=("model", "simulated"), default=None)
-    engine = parser.add_argument_group("engine (vLLM names; TensorRT-LLM aliases)")
-    for flag in ENGINE_FLAGS:
-        engine.add_argument(*flag.flags, dest=flag.dest, type=flag.type, choices=flag.choices,
-                            default=None, help=flag.help or None)
-    for flags, dest in ENGINE_BOOL_FLAGS:
-        engine.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
-                            default=None)
+    add_engine_flags(parser.add_argument_group("engine (vLLM names; TensorRT-LLM aliases)"))
     return parser
+
+
+def add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per EngineConfig setting, generated from its declaration (name, aliases,
+    type, choices, help); a flag left out keeps the config's default."""
+    for spec in engine_settings():
+        flags = [f"--{name.replace('_', '-')}" for name in (spec.name, *spec.aliases)]
+        # The flag's own default is None ("not given"); show the config's default instead.
+        # "%(default).0s" prints nothing and keeps ArgumentDefaultsHelpFormatter from adding
+        # "(default: None)".
+        shown = f"{spec.help} (default: {spec.default})%(default).0s"
+        if spec.type is bool:
+            group.add_argument(*flags, dest=spec.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=shown)
+        else:
+            group.add_argument(*flags, dest=spec.name, type=spec.type, choices=spec.choices,
+                               default=None, help=shown)
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
     """Only the engine flags the user gave (EngineConfig keeps its defaults for the rest)."""
-    dests = [f.dest for f in ENGINE_FLAGS] + [dest for _, dest in ENGINE_BOOL_FLAGS]
-    kwargs = {d: getattr(args, d) for d in dests if getattr(args, d) is not None}
-    runner = "simulated" if args.simulate else args.runner
-    if runner is not None:
-        kwargs["runner"] = runner
+    kwargs = {spec.name: getattr(args, spec.name) for spec in engine_settings()
+              if getattr(args, spec.name) is not None}
+    if args.simulate:
+        kwargs["runner"] = "simulated"
     return kwargs
 
 
@@ -161,7 +124,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def start_ray(args: argparse.Namespace) -> str | None:
+def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> str | None:
     """Join `--address`, or start an embedded Ray sized for this machine.
 
     Returns the metrics folder to remove at exit (embedded mode), else None.
@@ -169,15 +132,11 @@ def start_ray(args: argparse.Namespace) -> str | None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if args.num_replicas == "auto":
-        from iterserve.autoscale.config import AutoscaleConfig
+    if autoscale is not None:
         from iterserve.autoscale.policy import autoscaling_env_vars
 
         # Serve reads its metric push intervals from the environment at start.
-        os.environ.update(autoscaling_env_vars(AutoscaleConfig(
-            min_replicas=args.min_replicas, max_replicas=args.max_replicas)))
-    if args.sim_cost_model:
-        os.environ["ITERSERVE_SIM_COST_MODEL"] = args.sim_cost_model  # replicas inherit it
+        os.environ.update(autoscaling_env_vars(autoscale))
     if args.address:
         ray.init(address=args.address, namespace="iterserve", log_to_driver=False)
         return None
@@ -198,12 +157,11 @@ def run(argv: list[str]) -> int:
     """Entry point of `iterserve serve`."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from iterserve.deploy.app import APP_NAME, AppArgs, build_app
+    from iterserve.deploy.app import APP_NAME, build_app, resolve_app
 
     try:
-        app_args = AppArgs.model_validate(app_args_from(args))
-        app_args.engine_config()
-    except ValueError as error:
+        settings = resolve_app(app_args_from(args))
+    except (ValueError, FileNotFoundError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
     from ray import serve
@@ -214,14 +172,16 @@ def run(argv: list[str]) -> int:
     embedded = args.address is None
     metrics_dir: str | None = None
     try:
-        metrics_dir = start_ray(args)
+        metrics_dir = start_ray(args, settings.autoscale)
         serve.start(http_options={"host": args.host, "port": args.port},
                     proxy_location="HeadOnly" if embedded else "EveryNode")
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        app_args = settings.args
         keys = f", {len(app_args.api_keys)} API key(s)" if app_args.api_keys else ""
-        print(f"iterserve: ready at http://{host}:{args.port}/v1 "
-              f"({app_args.num_replicas} replica(s){keys}); Ctrl-C to stop", flush=True)
+        print(f"iterserve: ready at http://{host}:{args.port}/v1 serving "
+              f"{settings.engine.served_model_name} ({app_args.num_replicas} replica(s){keys}); "
+              "Ctrl-C to stop", flush=True)
         if args.detach and not embedded:
             return 0
         while True:

@@ -22,6 +22,7 @@ from ray.serve.exceptions import RayServeException
 
 from iterserve.deploy.engine_info import describe_engine, load_signals, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
+from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -76,13 +77,12 @@ def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
 class LLMReplica:
     """One engine per replica; streams RequestOutput deltas to the ingress."""
 
-    async def __init__(self, model: str | None = None,
-                       engine_kwargs: dict[str, Any] | None = None,
+    async def __init__(self, engine_config: EngineConfig,
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
-        from iterserve.replica import AsyncLLMEngine, EngineConfig
+        """engine_config: resolved once by the deployment (deploy/settings.py)."""
+        from iterserve.replica import AsyncLLMEngine
 
-        config = EngineConfig.from_kwargs(model=model, **(engine_kwargs or {}))
-        self.engine = AsyncLLMEngine(config)
+        self.engine = AsyncLLMEngine(engine_config)
         self._replica_id = self._current_replica_id()
         self._stat_logger = _install_stat_logger(self.engine, self._replica_id)
         self._drain_timeout_s = drain_timeout_s

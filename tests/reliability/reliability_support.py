@@ -254,6 +254,7 @@ SIM_COST = {"a_s": 0.02, "fault_trigger_file": SIM_FAULT_FILE}
 SIM_ENGINE: dict[str, Any] = {
     "model": "iterserve-tiny",  # only its config and tokenizer are read
     "runner": "simulated",
+    "simulator": json.dumps(SIM_COST),
     "max_model_len": 1024,
     "num_gpu_blocks_override": 256,
     "max_num_seqs": 8,

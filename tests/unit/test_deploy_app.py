@@ -57,7 +57,10 @@ def test_build_app_binds_ingress_over_replica():
     replica = ingress.init_args[0]
     assert replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.num_replicas == 2
-    assert replica._bound_deployment.init_args[1] == {"max_num_seqs": 4}
+    engine = replica._bound_deployment.init_args[0]  # resolved once, on the driver
+    assert isinstance(engine, EngineConfig) and engine.is_resolved
+    assert engine.scheduler.max_num_seqs == 4
+    assert (engine.device, engine.dtype, engine.attention_backend) == ("cpu", "float32", "torch")
     assert isinstance(ingress.init_kwargs["api_keys"][0], SecretStr)
 
 
