@@ -148,15 +148,20 @@ def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> st
     else:
         prepare_multiprocess_dir(metrics_dir)  # replicas inherit PROMETHEUS_MULTIPROC_DIR
     num_cpus = args.ray_num_cpus or max(2, os.cpu_count() or 2)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
-             object_store_memory=256 * 1024**2, log_to_driver=False)
+    print(f"iterserve: starting Ray (embedded, {num_cpus} CPUs)", flush=True)
+    # address="local": a fresh cluster of our own, never one a `ray start` left on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
+             object_store_memory=256 * 1024**2, log_to_driver=False,
+             logging_level=logging.WARNING)
     return metrics_dir
 
 
 def run(argv: list[str]) -> int:
     """Entry point of `iterserve serve`."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("ray", "ray.serve"):  # a newcomer sees our lines, not Ray's start-up chatter
+        logging.getLogger(name).setLevel(logging.WARNING)
     from iterserve.deploy.app import APP_NAME, build_app, resolve_app
 
     try:
@@ -172,9 +177,13 @@ def run(argv: list[str]) -> int:
     embedded = args.address is None
     metrics_dir: str | None = None
     try:
+        engine = settings.engine
+        print(f"iterserve: model {engine.served_model_name} ({engine.model or 'built-in'}; "
+              f"{engine.device}, {engine.dtype})", flush=True)
         metrics_dir = start_ray(args, settings.autoscale)
         serve.start(http_options={"host": args.host, "port": args.port},
                     proxy_location="HeadOnly" if embedded else "EveryNode")
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # serve.start reset it
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         app_args = settings.args
