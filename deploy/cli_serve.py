@@ -19,44 +19,32 @@ import signal
 import sys
 import tempfile
 import time
+import typing
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.deploy.settings import AppArgs
 from iterserve.replica.config import engine_settings
 
 logger = logging.getLogger("iterserve.serve")
+
+# The AppArgs fields that are flags of `iterserve serve` (their type, default and help come
+# from the field); the engine's flags come from EngineConfig's fields (`add_engine_flags`).
+APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
+             "max_ongoing_requests", "num_gpus_per_replica", "num_cpus_per_replica",
+             "num_ingress_replicas", "api_key_file", "max_body_bytes", "drain_timeout_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterserve serve", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=None,
-                        help="HF checkpoint folder, .gguf file, or iterserve-tiny (the tiny random-weight "
-                             "test model); default: the built-in SmolLM2-135M-Instruct")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accepted Bearer key (repeatable; also env ITERSERVE_API_KEYS)")
-    parser.add_argument("--api-key-file", default=None, help="file with one key per line")
-    parser.add_argument("--num-replicas", default="1",
-                        help="LLMReplica count (one per GPU), or 'auto'")
-    parser.add_argument("--num-ingress-replicas", type=int, default=1)
-    parser.add_argument("--router", choices=("kv-prefix", "kv", "pow2"), default="kv-prefix",
-                        help="KV-aware router with or without prefix affinity, or Ray's default")
-    bounds = AutoscaleConfig.model_fields
-    parser.add_argument("--min-replicas", type=int, default=bounds["min_replicas"].default,
-                        help=f"with --num-replicas auto: {bounds['min_replicas'].description}")
-    parser.add_argument("--max-replicas", type=int, default=bounds["max_replicas"].default,
-                        help=f"with --num-replicas auto: {bounds['max_replicas'].description}")
-    parser.add_argument("--max-ongoing-requests", type=int, default=256,
-                        help="Serve's per-replica in-flight bound")
-    parser.add_argument("--num-gpus-per-replica", type=float, default=None,
-                        help="default: 1 when the cluster has GPUs, else 0")
-    parser.add_argument("--max-body-bytes", type=int, default=None,
-                        help="request body limit (413 beyond it)")
-    parser.add_argument("--drain-timeout-s", type=float, default=None)
+    add_app_flags(parser.add_argument_group("deployment"))
     parser.add_argument("--address", default=None,
                         help="Ray address to join (e.g. auto, ray://head:10001); "
                              "default: start an embedded local Ray")
@@ -75,16 +63,34 @@ def add_engine_flags(group: argparse._ArgumentGroup) -> None:
     type, choices, help); a flag left out keeps the config's default."""
     for spec in engine_settings():
         flags = [f"--{name.replace('_', '-')}" for name in (spec.name, *spec.aliases)]
-        # The flag's own default is None ("not given"); show the config's default instead.
-        # "%(default).0s" prints nothing and keeps ArgumentDefaultsHelpFormatter from adding
-        # "(default: None)".
-        shown = f"{spec.help} (default: {spec.default})%(default).0s"
+        shown = _help(spec.help, spec.default)
         if spec.type is bool:
             group.add_argument(*flags, dest=spec.name, action=argparse.BooleanOptionalAction,
                                default=None, help=shown)
         else:
             group.add_argument(*flags, dest=spec.name, type=spec.type, choices=spec.choices,
                                default=None, help=shown)
+
+
+def _help(text: str, default: object) -> str:
+    """The setting's help and its own default; the flag's argparse default stays None ("not
+    given"), and "%(default).0s" (prints nothing) keeps the formatter from adding it."""
+    shown = text if default is None else f"{text} (default: {default})"
+    return shown + "%(default).0s"
+
+
+def add_app_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per deployment setting of APP_FLAGS, generated from AppArgs' field."""
+    for name in APP_FLAGS:
+        info = AppArgs.model_fields[name]
+        choices = typing.get_args(info.annotation) \
+            if typing.get_origin(info.annotation) is Literal else None
+        options = [t for t in typing.get_args(info.annotation) if t is not type(None)]
+        kind = info.annotation if not options else options[0]
+        kind = str if choices or kind not in (int, float) or name == "num_replicas" else kind
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, choices=choices,
+                           default=None,
+                           help=_help(info.description or "", info.default))
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,23 +106,10 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
     """The `AppArgs` dict for build_app (API keys are read here, passed as secrets)."""
     from iterserve.deploy.auth import load_api_keys
 
-    app: dict[str, Any] = {
-        "model": args.model,
-        "engine_kwargs": engine_kwargs_from(args),
-        "num_replicas": args.num_replicas,
-        "num_ingress_replicas": args.num_ingress_replicas,
-        "max_ongoing_requests": args.max_ongoing_requests,
-        "api_keys": list(load_api_keys(args.api_key, args.api_key_file)),
-        "router": args.router,
-        "min_replicas": args.min_replicas,
-        "max_replicas": args.max_replicas,
-    }
-    if args.num_gpus_per_replica is not None:
-        app["num_gpus_per_replica"] = args.num_gpus_per_replica
-    if args.max_body_bytes is not None:
-        app["max_body_bytes"] = args.max_body_bytes
-    if args.drain_timeout_s is not None:
-        app["drain_timeout_s"] = args.drain_timeout_s
+    app: dict[str, Any] = {name: getattr(args, name) for name in APP_FLAGS
+                           if getattr(args, name) is not None}
+    app["engine_kwargs"] = engine_kwargs_from(args)
+    app["api_keys"] = list(load_api_keys(args.api_key, args.api_key_file))
     return app
 
 

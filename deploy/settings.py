@@ -86,25 +86,33 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    # An HF checkpoint folder, a .gguf file or "iterserve-tiny"; None = built-in SmolLM2.
-    model: str | None = None
+    model: str | None = Field(
+        None, description="an HF checkpoint folder, a .gguf file, or iterserve-tiny (the tiny "
+        "random-weight test model); default: the built-in SmolLM2-135M-Instruct")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    num_replicas: int | str = 1  # an int, or "auto" with autoscaling_config
+    num_replicas: int | str = Field(
+        1, description="LLMReplica count (one per GPU), or 'auto' (the KV autoscaler)")
     autoscaling_config: dict[str, Any] | None = None
     request_router_config: dict[str, Any] | None = None  # wins over `router`
-    # kv-prefix: KVAwareRouter with prefix affinity; kv: without; pow2: Ray's default router.
-    router: Literal["kv-prefix", "kv", "pow2"] = "kv-prefix"
+    router: Literal["kv-prefix", "kv", "pow2"] = Field(
+        "kv-prefix", description="KV-aware router with or without prefix affinity, or Ray's "
+        "default power-of-two")
     min_replicas: int = _MIN_REPLICAS  # with num_replicas="auto"
     max_replicas: int = _MAX_REPLICAS
-    max_ongoing_requests: int = Field(256, ge=1)  # per LLMReplica
-    num_gpus_per_replica: float | None = None  # None: 1 if the cluster has GPUs, else 0
-    num_cpus_per_replica: float | None = None
-    num_ingress_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica in-flight "
+                                      "bound")
+    num_gpus_per_replica: float | None = Field(
+        None, description="GPUs per LLMReplica (default: 1 when the cluster has GPUs, else 0)")
+    num_cpus_per_replica: float | None = Field(
+        None, description="CPUs per LLMReplica (default: 1 with a GPU, else 0.5)")
+    num_ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas")
     api_keys: list[SecretStr] = Field(default_factory=list)
-    api_key_file: str | None = None
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    api_key_file: str | None = Field(None, description="a file with one API key per line")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024,
+                                description="request body limit (413 beyond it)")
     model_aliases: list[str] = Field(default_factory=list)
-    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, description="how long a "
+                                   "replica being removed waits for its streams")
 
     @model_validator(mode="before")
     @classmethod
