@@ -6,7 +6,8 @@ engine's generator and aborts the request so its KV blocks are freed. Engine err
 before the first output are yielded as `EngineErrorInfo` records rather than raised, so they
 cross the handle intact (no RayTaskError wrapping).
 
-`record_routing_stats` / `record_autoscaling_stats` return `load_signals(engine.stats())`.
+`record_routing_stats` / `record_autoscaling_stats` return the replica's `ReplicaLoad`
+(autoscale/signals.py), the one wire type of its load.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from iterserve.deploy.engine_info import describe_engine, load_signals, stream_engine
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.deploy.engine_info import describe_engine, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
@@ -28,7 +30,7 @@ from iterserve.replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMReplica", "load_signals", "replica_actor_options"]
+__all__ = ["LLMReplica", "replica_actor_options"]
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
@@ -131,11 +133,14 @@ class LLMReplica:
 
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
-        return load_signals(self.engine.stats(), self._admits_nothing)
+        return self._load().to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""
-        return load_signals(self.engine.stats(), self._admits_nothing)
+        return self._load().to_autoscaling_metrics()
+
+    def _load(self) -> ReplicaLoad:
+        return ReplicaLoad.from_engine_stats(self.engine.stats(), self._admits_nothing)
 
     @property
     def _admits_nothing(self) -> bool:
