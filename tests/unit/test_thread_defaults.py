@@ -18,3 +18,10 @@ def test_replica_default_yields_to_an_explicit_setting() -> None:
     assert replica_engine_kwargs(None) == {"cpu_threads": replica_cpu_threads()}
     assert replica_engine_kwargs({"cpu_threads": 3, "max_num_seqs": 4}) == {
         "cpu_threads": 3, "max_num_seqs": 4}
+
+
+def test_the_serve_app_gives_its_replicas_the_replica_default() -> None:
+    from iterserve.deploy.settings import AppArgs
+
+    assert AppArgs.model_validate({}).engine_config().cpu_threads == replica_cpu_threads()
+    assert AppArgs.model_validate({"cpu_threads": "3"}).engine_config().cpu_threads == 3
