@@ -50,7 +50,7 @@ def scheduler_step_time(num_running: int, steps: int = 50, block_size: int = 16)
         prompt = [(i * 131 + j * 7) % 32_000 for j in range(prompt_len)]
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens,
                                                                       ignore_eos=True), 0.0))
-    while any(r.num_output_tokens == 0 for r in scheduler.running) or scheduler.num_waiting:
+    while not scheduler.all_running_have_output() or scheduler.num_waiting:
         output = scheduler.schedule()
         scheduler.update(output, runner.execute(output))
     times = []

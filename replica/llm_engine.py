@@ -165,6 +165,12 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.children)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: queued (preempted ones included) or held back as later
+        children of an n > 1 request. The count `stats()` reports and admission bounds."""
+        return self.scheduler.num_waiting + sum(map(len, self.pending_children.values()))
+
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one iteration and return a delta for every request that got a token."""
@@ -216,7 +222,7 @@ class LLMEngine:
         so that they find its blocks in the prefix cache instead of recomputing them."""
         for parent_id in list(self.pending_children):
             first = self.children[parent_id][0]
-            head = self.scheduler.requests.get(first)
+            head = self.scheduler.get_request(first)
             if head is None or head.num_output_tokens > 0:
                 for child in self.pending_children.pop(parent_id):
                     self.scheduler.add_request(child)
@@ -225,7 +231,8 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         parent = request.parent_id or request.request_id
         siblings = self.children.get(parent, [])
-        if all(s not in self.scheduler.requests for s in siblings) and parent not in self.pending_children:
+        unfinished = any(self.scheduler.get_request(s) is not None for s in siblings)
+        if not unfinished and parent not in self.pending_children:
             self.children.pop(parent, None)
 
     def _forget(self, request_id: str) -> None:
@@ -245,7 +252,7 @@ class LLMEngine:
         return EngineStats(
             timestamp=time.time(),
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + sum(map(len, self.pending_children.values())),
+            num_waiting=self.num_waiting_requests,
             num_total_blocks=manager.num_total_blocks,
             num_free_blocks=manager.num_free_blocks,
             kv_usage=manager.usage,
