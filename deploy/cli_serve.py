@@ -72,6 +72,7 @@ ENGINE_BOOL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--enable-chunked-prefill", "--enable-chunked-context"), "enable_chunked_prefill"),
     (("--enable-prefix-caching",), "enable_prefix_caching"),
     (("--enforce-eager",), "enforce_eager"),
+    (("--async-scheduling",), "async_scheduling"),  # default: on with CUDA, off on CPU
 )
 
 

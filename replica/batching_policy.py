@@ -89,8 +89,8 @@ class StaticBatching(ContinuousBatching):
     def retire(self, request: Request, status: RequestStatus) -> bool:
         in_batch = request.request_id in self.batch
         self.batch.discard(request.request_id)
-        keeps = (in_batch and self.pads and status != RequestStatus.FINISHED_ABORTED
-                 and request.num_computed_tokens > 0)
+        keeps = (in_batch and self.pads and request.num_computed_tokens > 0
+                 and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
         if keeps:
             self.padding_rows.append(request)
         if not self.batch:

@@ -124,6 +124,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True disables CUDA graphs
+    # Plan and prepare step N+1 while the device runs step N (replica/llm_engine.py).
+    # None: on when the model runs on CUDA, off otherwise; the engine writes back its choice.
+    async_scheduling: bool | None = None
     runner: str = "model"  # "simulated" runs the calibrated cost model instead of a GPU
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     served_model_name: str | None = None

@@ -81,11 +81,15 @@ class DecodeGraphRunner:
         return (prepared.num_tokens <= self.sizes[-1]
                 and prepared.block_tables.shape[1] <= self.max_blocks)
 
-    def run(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [num_tokens, hidden]
+    def run(self, prepared: PreparedInputs,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:  # -> [num_tokens, hidden]
+        """input_ids: [T] already on the device (async scheduling fills pending decode
+        inputs there); None copies prepared.input_ids."""
         n = prepared.num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = prepared.block_tables.shape[1]
-        self.input_ids[:n].copy_(torch.from_numpy(prepared.input_ids), non_blocking=True)
+        source = torch.from_numpy(prepared.input_ids) if input_ids is None else input_ids
+        self.input_ids[:n].copy_(source, non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(prepared.positions), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.from_numpy(prepared.slot_mapping), non_blocking=True)
         self.slot_mapping[n:size].fill_(-1)

@@ -4,6 +4,21 @@
     step() -> outputs     schedule -> runner.execute -> scheduler.update -> detokenize
     abort_request(id)     finish now and free every block of every child
 
+Async scheduling (`async_scheduling`, on by default with CUDA) overlaps the CPU with the
+device, as vLLM v1's step_with_batch_queue and SGLang's overlap scheduler do. One step():
+
+    schedule N+1 -> runner.launch(N+1)        the device still runs N; N+1 queues behind it
+    N.result()   -> update -> detokenize      while the device runs N+1
+
+The plan for N+1 assumes every request in N yields one token (a placeholder the runner fills
+in from N's sampled ids on the device). Stop and finish decisions about N's tokens are
+therefore taken one step late: a request that finished in N was also computed in N+1, and
+that extra token is discarded in update (it never reaches the caller) and its blocks freed
+at once. A request whose sampling reads its previous tokens (penalties, min_tokens, grammar)
+is not planned past a token in flight: it waits one step, so its sampling stays exact. A
+runner error in one request reaches the engine with the step's result, a step late, and
+ends that request alone.
+
 Callers that need concurrency use AsyncLLMEngine, which drives this class from one thread.
 """
 
@@ -24,7 +39,7 @@ from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.make_model import default_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
-from iterserve.replica.runner_base import Runner
+from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -62,10 +77,16 @@ class LLMEngine:
             generation.eos_token_ids
         )
         self.runner = self._build_runner(config, model_path, model_config.vocab_size)
+        if config.async_scheduling is None:  # overlap pays where the device runs apart
+            config = dataclasses.replace(config,
+                                         async_scheduling=self.runner.device_type == "cuda")
+            self.config = config
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, clock)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
+                                   plans_ahead=config.async_scheduling)
+        self._in_flight: InFlightStep | None = None  # async scheduling: the launched step
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
@@ -159,7 +180,8 @@ class LLMEngine:
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+        return (self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+                or self._in_flight is not None)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -174,9 +196,30 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one iteration and return a delta for every request that got a token."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
+        return self._finish_step(start, scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Plan and launch step N+1, then finish step N while the device runs N+1."""
+        start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        launched = None
+        if not scheduler_output.is_empty:
+            launched = InFlightStep(start, scheduler_output, self.runner.launch(scheduler_output))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return []
+        return self._finish_step(previous.start, previous.scheduler_output,
+                                 previous.handle.result())
+
+    def _finish_step(self, start: float, scheduler_output: SchedulerOutput,
+                     runner_output: RunnerOutput) -> list[RequestOutput]:
+        """Fill in a step's sampled tokens, stream them, and forget what finished."""
+        failed = self._fail_requests(runner_output.errors)
         updated = self.scheduler.update(scheduler_output, runner_output)
         outputs = [self._detokenize(r, runner_output) for r in updated]
         self._release_pending_children()
@@ -185,7 +228,22 @@ class LLMEngine:
             self.runner.release(request.request_id)
             self._forget_child(request)
         self._record(start, scheduler_output, updated, finished)
-        return outputs
+        return failed + outputs
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End each request the runner failed on, alone: its caller gets a last output with
+        finish_reason "error"; every other request of the step carries on."""
+        failed: list[RequestOutput] = []
+        for request_id, error in errors.items():
+            request = self.scheduler.get_request(request_id)
+            if request is None:
+                continue  # it finished or was aborted meanwhile
+            logger.error("request %s failed in the runner: %s", request_id, error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            self.runner.release(request_id)
+            failed.append(self._output(request, [], "", None))
+            self._forget_child(request)
+        return failed
 
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
         token_id = request.output_token_ids[-1]
@@ -292,6 +350,15 @@ class LLMEngine:
         snapshot = self.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration, finished_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose sampled tokens are not yet on the host."""
+
+    start: float
+    scheduler_output: SchedulerOutput
+    handle: StepHandle
 
 
 def finished_request_stats(request: Request) -> FinishedRequestStats:

@@ -91,11 +91,13 @@ class TokenLogprobs:
 class RunnerOutput:
     """The runner's answer for one SchedulerOutput, keyed by request id.
 
-    Only requests whose ScheduledRequest.samples is True appear in `sampled_token_ids`.
+    Only requests whose ScheduledRequest.samples is True appear in `sampled_token_ids`; one
+    whose sampling failed appears in `errors` instead, and the engine ends it alone.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> what went wrong
 
 
 @dataclass
@@ -103,7 +105,7 @@ class RequestOutput:
     """A delta streamed to the caller for one (child) request.
 
     `new_token_ids` / `new_text` hold only what is new since the previous output;
-    `finish_reason` is "stop", "length" or "abort" on the last output and None before.
+    `finish_reason` is "stop", "length", "abort" or "error" on the last output, None before.
     """
 
     request_id: str
