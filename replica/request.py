@@ -77,7 +77,9 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+        # Spelled out rather than through num_tokens: the scheduler reads it per request per step.
+        return (len(self.prompt_token_ids) + len(self.output_token_ids)
+                + self.num_output_placeholders - self.num_computed_tokens)
 
     @property
     def sampling_reads_output(self) -> bool:

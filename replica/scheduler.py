@@ -38,7 +38,7 @@ from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
-from iterserve.replica.scheduling_policy import make_policy
+from iterserve.replica.scheduling_policy import SchedulingPolicy, make_policy
 
 
 class WaitingQueue:
@@ -93,12 +93,14 @@ class Scheduler:
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
         plans_ahead: bool = False,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
+        """policy: a SchedulingPolicy object to use instead of config.scheduler_policy's."""
         self.config = config
         self.plans_ahead = plans_ahead  # async scheduling: see the module docstring
         self.block_manager = block_manager
         self.clock = clock
-        self.policy = make_policy(config.scheduler_policy, config.max_model_len or 0)
+        self.policy = policy or make_policy(config.scheduler_policy, config.max_model_len or 0)
         self.batching = make_batching(config, clock, block_manager)
         self.waiting = WaitingQueue(by_priority=self.policy.waiting_by_priority)
         self.running: list[Request] = []  # in admission order
