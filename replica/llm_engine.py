@@ -210,7 +210,13 @@ class LLMEngine:
         launched = None
         if not scheduler_output.is_empty:
             launched = InFlightStep(start, scheduler_output, self.runner.launch(scheduler_output))
-        previous, self._in_flight = self._in_flight, launched
+        outputs = self.finish_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the launched step, if any (async scheduling), and return its outputs."""
+        previous, self._in_flight = self._in_flight, None
         if previous is None:
             return []
         return self._finish_step(previous.start, previous.scheduler_output,
