@@ -24,8 +24,10 @@ class PendingOutput:
         token_ids: torch.Tensor,  # [S] int64 on the device
         log_probs: torch.Tensor | None,  # [W, V] for the W rows in logprob_rows
         logprob_rows: list[int],
+        failed: dict[int, str],  # row -> what went wrong: no token for that request
     ) -> None:
         self.request_ids = [r.request_id for r in requests]
+        self.failed = failed
         self.logprob_rows = logprob_rows
         self.num_tops = [requests[row].sampling_params.logprobs or 0 for row in logprob_rows]
         tensors = [token_ids]
@@ -51,11 +53,16 @@ class PendingOutput:
             self._event.synchronize()  # this step's copies only
         token_ids = self._host[0].tolist()
         output = RunnerOutput(sampled_token_ids=dict(zip(self.request_ids, token_ids, strict=True)))
+        for row, error in self.failed.items():
+            output.sampled_token_ids.pop(self.request_ids[row])
+            output.failed[self.request_ids[row]] = error
         if len(self._host) > 1:
             chosen = self._host[1].tolist()
             values = self._host[2].tolist() if len(self._host) > 2 else None
             indices = self._host[3].tolist() if len(self._host) > 2 else None
             for k, row in enumerate(self.logprob_rows):
+                if row in self.failed:
+                    continue
                 n = self.num_tops[k]
                 top = list(zip(indices[k][:n], values[k][:n], strict=True)) if n else []
                 output.logprobs[self.request_ids[row]] = TokenLogprobs(

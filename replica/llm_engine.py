@@ -35,6 +35,7 @@ from pathlib import Path
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.detokenizer import IncrementalDetokenizer
+from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.make_model import default_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
@@ -195,12 +196,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration and return a delta for every request that got a token."""
+        """Run one iteration and return a delta for every request that got a token or ended.
+
+        Fault isolation: an exception raised by one request's work (its inputs, its sampling
+        row, its detokenization) ends that request alone with finish_reason "error"; its batch
+        mates' tokens stand. Only a device fault (`is_device_fault`) escapes, and stops the loop.
+        """
         if self.config.async_scheduling:
             return self._step_overlapped()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         return self._finish_step(start, scheduler_output, runner_output)
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -209,10 +215,26 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         launched = None
         if not scheduler_output.is_empty:
-            launched = InFlightStep(start, scheduler_output, self.runner.launch(scheduler_output))
+            try:
+                launched = InFlightStep(start, scheduler_output,
+                                        self.runner.launch(scheduler_output))
+            except Exception as error:  # noqa: BLE001 - a device fault is re-raised
+                if is_device_fault(error):
+                    raise
+                return self._settle_and_isolate(start, scheduler_output, error)
         outputs = self.finish_in_flight()
         self._in_flight = launched
         return outputs
+
+    def _settle_and_isolate(self, start: float, scheduler_output: SchedulerOutput,
+                            error: Exception) -> list[RequestOutput]:
+        """A batched launch raised: finish the step in flight (its tokens become the inputs
+        this step was missing), then run this step request by request, synchronously, so
+        that only the requests at fault end and the next plan starts from settled state."""
+        logger.warning("a batched launch raised %r; running its requests one by one", error)
+        outputs = self.finish_in_flight()
+        runner_output = self._execute_one_by_one(scheduler_output)
+        return outputs + self._finish_step(start, scheduler_output, runner_output)
 
     def finish_in_flight(self) -> list[RequestOutput]:
         """Wait for the launched step, if any (async scheduling), and return its outputs."""
@@ -224,32 +246,60 @@ class LLMEngine:
 
     def _finish_step(self, start: float, scheduler_output: SchedulerOutput,
                      runner_output: RunnerOutput) -> list[RequestOutput]:
-        """Fill in a step's sampled tokens, stream them, and forget what finished."""
-        failed = self._fail_requests(runner_output.errors)
+        """Fill in a step's sampled tokens, stream them, and forget what finished. Under
+        async scheduling this runs a step late: a request may have ended meanwhile."""
+        failed = [s.request for s in scheduler_output.scheduled
+                  if s.request.request_id in runner_output.failed and not s.request.is_finished]
+        outputs = [self._fail(r, runner_output.failed[r.request_id]) for r in failed]
         updated = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._detokenize(r, runner_output) for r in updated]
+        outputs += [self._detokenize_or_fail(r, runner_output) for r in updated]
         self._release_pending_children()
-        finished = [r for r in updated if r.is_finished]
+        finished = [r for r in updated if r.is_finished] + failed
         for request in finished:
             self.runner.release(request.request_id)
             self._forget_child(request)
         self._record(start, scheduler_output, updated, finished)
-        return failed + outputs
+        return outputs
 
-    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
-        """End each request the runner failed on, alone: its caller gets a last output with
-        finish_reason "error"; every other request of the step carries on."""
-        failed: list[RequestOutput] = []
-        for request_id, error in errors.items():
-            request = self.scheduler.get_request(request_id)
-            if request is None:
-                continue  # it finished or was aborted meanwhile
-            logger.error("request %s failed in the runner: %s", request_id, error)
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run the batch; if a batched operation raises, run each request alone to find which
+        request's inputs it choked on, and fail only those."""
+        try:
+            return self.runner.execute(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - a device fault is re-raised
+            if is_device_fault(error):
+                raise
+            logger.warning("a batched step raised %r; running its requests one by one", error)
+            return self._execute_one_by_one(scheduler_output)
+
+    def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        merged = RunnerOutput()
+        for scheduled in scheduler_output.scheduled:
+            if scheduled.is_padding:
+                continue
+            alone = SchedulerOutput(scheduled=[scheduled], num_batched_tokens=scheduled.num_new_tokens)
+            try:
+                merged.merge(self.runner.execute(alone))
+            except Exception as error:  # noqa: BLE001 - this request's failure; device faults raise
+                if is_device_fault(error):
+                    raise
+                merged.failed[scheduled.request.request_id] = f"{type(error).__name__}: {error}"
+        return merged
+
+    def _fail(self, request: Request, reason: str) -> RequestOutput:
+        """End one request with an error: its blocks are freed, its client is told why."""
+        logger.warning("request %s failed in the engine: %s", request.request_id, reason)
+        if not request.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            self.runner.release(request_id)
-            failed.append(self._output(request, [], "", None))
-            self._forget_child(request)
-        return failed
+        return dataclasses.replace(self._output(request, [], "", None), error=reason)
+
+    def _detokenize_or_fail(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
+        try:
+            return self._detokenize(request, runner_output)
+        except Exception as error:  # noqa: BLE001 - this request's failure; device faults raise
+            if is_device_fault(error):
+                raise
+            return self._fail(request, f"{type(error).__name__}: {error}")
 
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
         token_id = request.output_token_ids[-1]

@@ -150,8 +150,12 @@ class ModelRunner:
         if sampling is None:
             return output
         requests, logits = sampling
-        token_ids, logprobs = self.sampler.sample(logits, requests)
-        for request, token_id, lp in zip(requests, token_ids, logprobs, strict=True):
+        token_ids, logprobs, failed = self.sampler.sample(logits, requests)
+        for row, (request, token_id, lp) in enumerate(zip(requests, token_ids, logprobs,
+                                                           strict=True)):
+            if row in failed:
+                output.failed[request.request_id] = failed[row]
+                continue
             output.sampled_token_ids[request.request_id] = token_id
             if lp is not None:
                 output.logprobs[request.request_id] = lp
@@ -169,9 +173,9 @@ class ModelRunner:
             self._remember_sampled([], None)
             return CompletedStep(RunnerOutput())
         requests, logits = sampling
-        token_ids, log_probs, logprob_rows = self.sampler.choose_tokens(logits, requests)
+        token_ids, log_probs, logprob_rows, failed = self.sampler.choose_tokens(logits, requests)
         self._remember_sampled(requests, token_ids)
-        return PendingOutput(requests, token_ids, log_probs, logprob_rows)
+        return PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
 
     @property
     def device_type(self) -> str:

@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # the runner failed on this request alone
+    FINISHED_ERROR = "error"  # this request alone failed in the engine (its client gets an error)
 
     @property
     def is_finished(self) -> bool:

@@ -262,3 +262,99 @@ def test_scheduler_planning_ahead_matches_synchronous(lengths: list[tuple[int, i
     sync, _ = schedule_workload(lengths, overlapped=False, **config)
     ahead, _ = schedule_workload(lengths, overlapped=True, **config)
     assert ahead == sync
+
+
+# ------------------------------------------------- fault isolation, a step late (tiny model)
+BAD = "bad-request"
+
+
+def run_with_one_bad(engine: LLMEngine, prompts: list[list[int]]
+                     ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    for i, prompt in enumerate(prompts[:4]):
+        request_id = BAD if i == 2 else f"r{i}"
+        params = (SamplingParams(temperature=0.8, max_tokens=12, seed=7) if i == 2
+                  else SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        engine.add_request(prompt, params, request_id)
+        tokens[request_id] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.error is not None:
+                errors[out.request_id] = out.error
+        engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0
+    return tokens, errors
+
+
+@pytest.mark.parametrize("where", ["sampling", "batched-launch", "detokenizer"])
+def test_a_fault_under_async_ends_only_its_request(model_path: str, prompts: list, where: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def async_engine() -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(model=model_path, async_scheduling=True))
+
+    clean, errors = run_with_one_bad(async_engine(), prompts)
+    assert not errors
+    engine = async_engine()
+    if where == "sampling":
+        from iterserve.replica.sampler import Sampler
+
+        draw = Sampler._draw
+
+        def faulty_draw(self: Sampler, row: object, request: Request) -> object:
+            if request.request_id == BAD and request.num_computed_tokens > 20:
+                raise OverflowError("injected fault in one request's sampling")
+            return draw(self, row, request)
+
+        monkeypatch.setattr(Sampler, "_draw", faulty_draw)
+    elif where == "batched-launch":
+        launch, execute = engine.runner.launch, engine.runner.execute
+
+        def choke(step: object) -> None:
+            if any(s.request.request_id == BAD and s.request.num_output_tokens >= 2
+                   for s in step.scheduled):
+                raise IndexError("injected: a batched op choked on one request's inputs")
+
+        monkeypatch.setattr(engine.runner, "launch", lambda step: choke(step) or launch(step))
+        monkeypatch.setattr(engine.runner, "execute", lambda step: choke(step) or execute(step))
+    else:
+        detokenize = engine._detokenize
+
+        def faulty(request: Request, runner_output: object) -> object:
+            if request.request_id == BAD and request.num_output_tokens == 4:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return detokenize(request, runner_output)
+
+        monkeypatch.setattr(engine, "_detokenize", faulty)
+    tokens, errors = run_with_one_bad(engine, prompts)
+    assert set(errors) == {BAD}
+    assert tokens[BAD] == clean[BAD][:len(tokens[BAD])] and len(tokens[BAD]) < 12
+    tokens.pop(BAD)
+    clean.pop(BAD)
+    assert tokens == clean
+
+
+def test_async_engine_streams_with_async_scheduling(model_path: str) -> None:
+    import asyncio
+
+    from iterserve.replica import AsyncLLMEngine
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(EngineConfig.from_kwargs(model=model_path,
+                                                         async_scheduling=True))
+        try:
+            deltas = [o async for o in engine.generate([1, 2, 3], GREEDY, "a")]
+            assert sum(len(d.new_token_ids) for d in deltas) == 24 and deltas[-1].finished
+            stream = engine.generate(list(range(5, 50)), SamplingParams(max_tokens=500,
+                                                                        ignore_eos=True), "b")
+            async for _ in stream:
+                break
+            await stream.aclose()
+            used = await engine.call(lambda e: (e.block_manager.num_used_blocks,
+                                                e.scheduler.num_running))
+            assert used == (0, 0)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
