@@ -142,22 +142,22 @@ class BlockManager:
         hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
 
-    def try_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Blocks for num_new_tokens more tokens of a running request, if enough are free;
-        False (nothing taken) otherwise. The scheduler's per-step fast path: most decodes
-        need no new block at all."""
+    def try_allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Grow a running request's blocks for num_new_tokens more tokens if enough are free:
+        its block table, or None (nothing taken). The scheduler's per-step fast path: most
+        decodes need no new block at all."""
         table = self.block_tables.get(request.request_id)
         have = len(table) if table is not None else 0
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
-        if needed <= 0:
-            return True
+        if needed <= 0 and table is not None:
+            return table
         if needed > len(self.free_block_ids):
-            return False
+            return None
         if table is None:
             table = self.block_tables[request.request_id] = []
         for _ in range(needed):
             table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
-        return True
+        return table
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Give the request its prefix hits (first admission) and blocks for new tokens.

@@ -190,11 +190,13 @@ class Scheduler:
             num_new = self._tokens_to_compute(remaining, budget)
             if num_new == 0:
                 continue
-            if not manager.try_allocate(request, num_new):
+            table = manager.try_allocate(request, num_new)
+            if table is None:
                 if not self._make_room(request, num_new, output):
                     continue
                 manager.allocate(request, num_new)
-            self._add_to_output(output, request, num_new, num_new == remaining)
+                table = manager.block_table(request.request_id)
+            self._add_to_output(output, request, num_new, num_new == remaining, table)
             budget -= num_new
         if not output.preempted:
             budget = self._admit_waiting(output, budget)
@@ -223,14 +225,12 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _add_to_output(self, output: SchedulerOutput, request: Request, num_new: int,
-                       samples: bool) -> None:
+                       samples: bool, block_table: list[int]) -> None:
         """Plan num_new tokens of the request (planning ahead: count them as computed);
         `samples`: they are all its uncomputed tokens, so a token is sampled after them."""
         computed = request.num_computed_tokens
-        output.scheduled.append(ScheduledRequest(
-            request, computed, num_new, self.block_manager.block_table(request.request_id),
-            False, samples,
-        ))
+        output.scheduled.append(ScheduledRequest(request, computed, num_new, block_table, False,
+                                                 samples))
         if self.plans_ahead:
             request.num_computed_tokens = computed + num_new
             if samples:
@@ -298,7 +298,8 @@ class Scheduler:
             if request.admitted_time is None:
                 request.admitted_time = self.clock()
             self.running.append(request)
-            self._add_to_output(output, request, num_new, num_new == remaining)
+            self._add_to_output(output, request, num_new, num_new == remaining,
+                                manager.block_table(request.request_id))
             budget -= num_new
             admitted += 1
         self.batching.admitted(admitted)
@@ -318,6 +319,7 @@ class Scheduler:
         mark_computed = self.block_manager.mark_computed
         sampled = runner_output.sampled_token_ids
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        plans_ahead = self.plans_ahead
         for scheduled in output.scheduled:
             request = scheduled.request
             status = request.status
@@ -325,7 +327,7 @@ class Scheduler:
                 continue  # a static batch's padding row, or it ended while the step ran
             num_new = scheduled.num_new_tokens
             computed = scheduled.num_computed_tokens + num_new
-            if not self.plans_ahead:
+            if not plans_ahead:
                 if status is not running:
                     continue
                 request.num_computed_tokens = computed
@@ -334,7 +336,7 @@ class Scheduler:
                 mark_computed(request, computed)
             if not scheduled.samples:
                 continue
-            if self.plans_ahead:
+            if plans_ahead:
                 request.num_output_placeholders -= 1
             token_id = sampled.get(request.request_id)
             if token_id is None:
