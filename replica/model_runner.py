@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from iterserve.replica.async_output import PendingOutput
-from iterserve.replica.attention_metadata import AttentionMetadata
+from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
@@ -79,7 +79,7 @@ class ModelRunner:
                                             max_batch_size=config.scheduler.max_num_seqs,
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
                                                                  // self.block_size),
-                                            split_kv_for=self._split_kv_for)
+                                            kv_splits_for=self._decode_kv_splits)
             self.graphs.capture()
 
     # ------------------------------------------------------------------------------ memory
@@ -203,11 +203,21 @@ class ModelRunner:
 
     def _input_ids(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [T] on the device
         input_ids = self._to_device(prepared.input_ids)
-        if prepared.pending_token_indices:
-            rows = [self._last_sampled_row[rid] for rid in prepared.pending_request_ids]
-            where = index_on_device(prepared.pending_token_indices, self.device)
-            input_ids[where] = self._last_sampled[index_on_device(rows, self.device)]
+        pending = self._pending_inputs(prepared)
+        if pending is not None:
+            where, token_ids = pending
+            input_ids[where] = token_ids
         return input_ids
+
+    def _pending_inputs(self, prepared: PreparedInputs
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat indices, token ids) on the device of the decode inputs the previous launched
+        step is still sampling (async scheduling); None when every input is known."""
+        if not prepared.pending_token_indices:
+            return None
+        rows = [self._last_sampled_row[rid] for rid in prepared.pending_request_ids]
+        where = index_on_device(prepared.pending_token_indices, self.device)
+        return where, self._last_sampled[index_on_device(rows, self.device)]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without waiting for queued work (non-blocking)."""
@@ -216,23 +226,25 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def _use_split_kv(self, prepared: PreparedInputs) -> bool:
-        return prepared.is_decode_only and self._split_kv_for(len(prepared.seq_lens),
-                                                              prepared.max_seq_len)
-
-    def _split_kv_for(self, num_seqs: int, max_seq_len: int) -> bool:
-        """Whether a decode-only batch of this shape runs split-KV (flash-decoding)."""
+    def _decode_kv_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
+        """Split-KV ways for a batch's decode part (1 on the torch path: no split)."""
         if self.attention_backend != "triton" or self.device.type != "cuda":
-            return False
-        from iterserve.kernels.ops import use_split_kv
+            return 1
+        from iterserve.kernels.ops import choose_num_splits
 
-        return use_split_kv(num_seqs, self.model_config.num_key_value_heads, max_seq_len, 1,
-                            self.num_sms)
+        return choose_num_splits(num_decodes, self.model_config.num_key_value_heads,
+                                 max_decode_seq_len, self.num_sms)
+
+    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, int]:
+        """num_decodes / num_kv_splits from the host arrays: the decode part alone decides."""
+        num_decodes = count_leading_decodes(prepared.query_start_loc)
+        longest = int(prepared.seq_lens[:num_decodes].max()) if num_decodes else 0
+        return {"num_decodes": num_decodes,
+                "num_kv_splits": self._decode_kv_splits(num_decodes, longest) if num_decodes else 1}
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
-            input_ids = self._input_ids(prepared) if prepared.pending_token_indices else None
-            return self.graphs.run(prepared, input_ids)
+            return self.graphs.run(prepared, self._pending_inputs(prepared))
         to_device = self._to_device
         attn = AttentionMetadata(
             query_start_loc=to_device(prepared.query_start_loc),
@@ -242,7 +254,7 @@ class ModelRunner:
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
-            use_split_kv=self._use_split_kv(prepared),
+            **self._attention_launch_hints(prepared),
         )
         positions = to_device(prepared.positions)
         return self.model(self._input_ids(prepared), positions, self.kv_caches, attn)
