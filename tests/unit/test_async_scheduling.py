@@ -146,26 +146,30 @@ def run_all(engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]:
     return got
 
 
-def add_workload(engine: LLMEngine) -> None:
+def add_workload(engine: LLMEngine, ignore_eos: bool = True) -> None:
     rng = random.Random(3)
     for i in range(40):
         prompt = [rng.randrange(1, 4000) for _ in range(rng.randrange(5, 300))]
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 60),
-                                                  ignore_eos=True), request_id=f"q{i}")
+                                                  ignore_eos=ignore_eos), request_id=f"q{i}")
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(num_gpu_blocks_override=60, max_num_seqs=16, max_num_batched_tokens=128),
-], ids=["roomy", "preemption"])
-def test_simulated_runner_outputs_identical(kwargs: dict) -> None:
+@pytest.mark.parametrize("kwargs, eos_probability", [
+    (dict(), 0.0),
+    (dict(num_gpu_blocks_override=60, max_num_seqs=16, max_num_batched_tokens=128), 0.0),
+    (dict(), 0.08),  # EOS at seeded random positions: stops found a step late
+], ids=["roomy", "preemption", "eos-stops"])
+def test_simulated_runner_outputs_identical(kwargs: dict, eos_probability: float) -> None:
     sync, overlapped = sim_engine(False, **kwargs), sim_engine(True, **kwargs)
     for engine in (sync, overlapped):
-        engine.runner.sim = SimulatorConfig(sleep=False)
-        add_workload(engine)
-    assert run_all(overlapped) == run_all(sync)
-    if kwargs:
+        engine.runner.sim = SimulatorConfig(sleep=False, eos_probability=eos_probability)
+        add_workload(engine, ignore_eos=eos_probability == 0.0)
+    expected = run_all(sync)
+    assert run_all(overlapped) == expected
+    if "num_gpu_blocks_override" in kwargs:
         assert overlapped.scheduler.num_preemptions > 0
+    if eos_probability:
+        assert sum(reason == "stop" for _, reason in expected.values()) >= 5
 
 
 def test_a_fault_in_one_request_ends_only_that_request(monkeypatch: pytest.MonkeyPatch) -> None:
