@@ -177,10 +177,6 @@ class ModelRunner:
         self._remember_sampled(requests, token_ids)
         return PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
 
-    @property
-    def device_type(self) -> str:
-        return self.device.type
-
     def _logits_to_sample(
         self, scheduler_output: SchedulerOutput,
     ) -> tuple[list[Request], torch.Tensor] | None:

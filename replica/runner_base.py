@@ -36,7 +36,6 @@ class CompletedStep:
 
 class Runner(Protocol):
     vocab_size: int
-    device_type: str  # "cuda", "cpu" or "simulated": whether overlapping steps pays
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks fit the memory budget (after any profiling pass)."""
