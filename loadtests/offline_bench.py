@@ -1,10 +1,15 @@
 """Offline engine benchmark: prints figures, asserts nothing (floors live in BENCHMARKS.md).
 
-    python -m iterserve.loadtests.offline_bench                  # both parts, built-in model
+    python -m iterserve.loadtests.offline_bench                  # every part, built-in model
     python -m iterserve.loadtests.offline_bench --part sched     # scheduler overhead only
+    python -m iterserve.loadtests.offline_bench --part async     # async vs sync, simulated GPU
 
-1. Scheduler + input preparation CPU time per step at 64, 256 and 1024 running requests,
-   over the null runner (no model): what the engine itself costs per iteration.
+1. Scheduler + input preparation time per step at 64, 256 and 1024 running requests, over
+   the null runner (no model): what the engine itself costs per iteration. Reported as this
+   thread's CPU time (what the work costs) and as wall time (which on a shared machine also
+   counts the time other processes held the core).
+1b. Engine step time with async scheduling off and on, on the simulated runner (its GPU time
+   is modelled; the engine's CPU work is real), against the modelled GPU time per step.
 2. Offline throughput on one seeded mixed workload with token-id prompts (prompts short 16-64
    / medium 128-384 / long 512-1024 tokens at 0.5/0.3/0.2; outputs exponential mean 128 capped
    to [8, 512]; ignore_eos), default 64 requests 32 concurrent, fp32, on the built-in
@@ -32,9 +37,10 @@ from iterserve.loadtests.offline_bench_hf import (
     load_hf_model,
 )
 from iterserve.replica.block_manager import BlockManager
-from iterserve.replica.config import SchedulerConfig
+from iterserve.replica.config import EngineConfig, SchedulerConfig
 from iterserve.replica.input_batch import prepare_inputs
 from iterserve.replica.llm import LLM
+from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.model_source import resolve_model_path
 from iterserve.replica.null_runner import NullRunner
 from iterserve.replica.request import Request
@@ -46,8 +52,9 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------- part 1
-def scheduler_step_time(num_running: int, steps: int = 50, block_size: int = 16) -> float:
-    """Mean seconds of schedule() + prepare_inputs() + update() with num_running decodes."""
+def scheduler_step_time(num_running: int, steps: int = 50, block_size: int = 16,
+                        clock: Callable[[], float] = time.thread_time) -> float:
+    """Median seconds of schedule() + prepare_inputs() + update() with num_running decodes."""
     prompt_len, max_tokens = 128, 10_000
     blocks = num_running * ((prompt_len + steps + 64) // block_size + 2)
     manager = BlockManager(blocks, block_size, enable_prefix_caching=True)
@@ -59,21 +66,60 @@ def scheduler_step_time(num_running: int, steps: int = 50, block_size: int = 16)
         prompt = [(i * 131 + j * 7) % 32_000 for j in range(prompt_len)]
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens,
                                                                       ignore_eos=True), 0.0))
-    while any(r.num_output_tokens == 0 for r in scheduler.running) or scheduler.num_waiting:
+    while not scheduler.all_running_have_output() or scheduler.num_waiting:
         output = scheduler.schedule()
         scheduler.update(output, runner.execute(output))
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         output = scheduler.schedule()
         prepare_inputs(output, block_size)
-        before_runner = time.perf_counter()
+        before_runner = clock()
         sampled = runner.execute(output)  # the model's part: excluded from the timing
-        after_runner = time.perf_counter()
+        after_runner = clock()
         scheduler.update(output, sampled)
-        end = time.perf_counter()
+        end = clock()
         times.append((before_runner - start) + (end - after_runner))
     return statistics.median(times)
+
+
+def async_step_time(async_scheduling: bool, num_running: int = 256,
+                    steps: int = 40) -> tuple[float, float]:
+    """(engine wall seconds per step, modelled GPU seconds per step) for num_running decodes
+    on the simulated runner (H100 cost model, time_scale 1), detokenization included."""
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        runner="simulated", async_scheduling=async_scheduling, max_num_seqs=num_running,
+        max_model_len=2048, enable_prefix_caching=False))
+    for i in range(num_running):
+        prompt = [(i * 131 + j * 7) % 4000 + 1 for j in range(128)]
+        engine.add_request(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while not engine.scheduler.all_running_have_output() or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    modelled_before = runner.total_simulated_s
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    return wall / steps, (runner.total_simulated_s - modelled_before) / steps
+
+
+def print_async_comparison(num_running: int, rounds: int) -> None:
+    """Alternate sync and async rounds (A B A B) and keep each mode's best round."""
+    best: dict[bool, tuple[float, float]] = {}
+    for _ in range(rounds):
+        for mode in (False, True):
+            wall, gpu = async_step_time(mode, num_running)
+            if mode not in best or wall < best[mode][0]:
+                best[mode] = (wall, gpu)
+    print(f"\n| {num_running} running decodes, simulated H100 | modelled GPU ms/step | "
+          "engine step ms | step / GPU |\n|---|---:|---:|---:|")
+    for mode, name in ((False, "sync (GPU + CPU)"), (True, "async scheduling")):
+        wall, gpu = best[mode]
+        print(f"| {name} | {gpu * 1000:.2f} | {wall * 1000:.2f} | {wall / gpu:.3f}x |",
+              flush=True)
 
 
 # ---------------------------------------------------------------------------- part 2
@@ -144,7 +190,7 @@ def print_table(rounds: dict[str, list[ThroughputResult]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["all", "sched", "throughput"], default="all")
+    parser.add_argument("--part", choices=["all", "sched", "async", "throughput"], default="all")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -164,9 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
           f"torch {torch.__version__}, python {platform.python_version()}")
     if args.part in ("all", "sched"):
-        print("\n| running requests | scheduler + input prep per step (ms) |\n|---:|---:|")
+        print("\n| running requests | scheduler + input prep per step, CPU ms | wall ms |"
+              "\n|---:|---:|---:|")
         for n in (64, 256, 1024):
-            print(f"| {n} | {scheduler_step_time(n) * 1000:.3f} |", flush=True)
+            cpu = min(scheduler_step_time(n) for _ in range(args.rounds))
+            wall = min(scheduler_step_time(n, clock=time.perf_counter)
+                       for _ in range(args.rounds))
+            print(f"| {n} | {cpu * 1000:.3f} | {wall * 1000:.3f} |", flush=True)
+    if args.part in ("all", "async"):
+        print_async_comparison(256, args.rounds)
     if args.part in ("all", "throughput"):
         from iterserve.loadtests.workload import make_workload
 

@@ -64,6 +64,9 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self.block_tables.get(request_id, ()))
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -107,10 +110,17 @@ class BlockManager:
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 
-    def mark_computed(self, request: Request) -> None:
-        """Called after a step computed tokens for the request: cache its full blocks."""
+    def mark_computed(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Called after a step computed tokens for the request: cache its full blocks.
+
+        num_computed_tokens: how many leading tokens the finished step left in the KV cache
+        (default: request.num_computed_tokens); under async scheduling the request may
+        already be scheduled further than that.
+        """
         if self.enable_prefix_caching and request.request_id in self.block_tables:
-            self._register_full_blocks(request, request.num_computed_tokens)
+            if num_computed_tokens is None:
+                num_computed_tokens = request.num_computed_tokens
+            self._register_full_blocks(request, num_computed_tokens)
 
     # ------------------------------------------------------------------------- allocation
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
@@ -124,9 +134,30 @@ class BlockManager:
             table = self.block_tables.get(request.request_id, ())
             total = request.num_computed_tokens + num_new_tokens
             return -(-total // self.block_size) - len(table) <= len(self.free_block_ids)
+        return self.num_blocks_to_admit(request, num_new_tokens, hits) <= self.num_free_blocks
+
+    def num_blocks_to_admit(self, request: Request, num_new_tokens: int, hits: list[int]) -> int:
+        """Free blocks that admitting the request would take: new blocks for num_new_tokens
+        after its prefix hits, plus the hit blocks that sit in the free pool."""
         hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.num_new_blocks_needed(request, num_new_tokens, len(hits))
-        return needed + hits_in_free_pool <= self.num_free_blocks
+        return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
+
+    def try_allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Grow a running request's blocks for num_new_tokens more tokens if enough are free:
+        its block table, or None (nothing taken). The scheduler's per-step fast path: most
+        decodes need no new block at all."""
+        table = self.block_tables.get(request.request_id)
+        have = len(table) if table is not None else 0
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
+        if needed <= 0 and table is not None:
+            return table
+        if needed > len(self.free_block_ids):
+            return None
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        for _ in range(needed):
+            table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
+        return table
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Give the request its prefix hits (first admission) and blocks for new tokens.

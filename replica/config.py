@@ -147,6 +147,10 @@ class EngineConfig:
     attention_backend: str = setting("auto", "attention and fused kernels (auto: triton on "
                                      "CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, "disable CUDA graphs for decode batches")
+    # replica/llm_engine.py; None is resolved (replica/resolve.py) to on exactly when the model
+    # runs on CUDA, where the GPU computes step N while the CPU plans step N+1.
+    async_scheduling: bool | None = setting(
+        None, "plan and prepare step N+1 while the GPU runs step N (default: on with CUDA)")
     runner: str = setting("model", "model, or simulated: the calibrated GPU cost model",
                           choices=RUNNERS)
     simulator: str | None = setting(
@@ -211,6 +215,7 @@ class EngineConfig:
         """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
         return (self.model is not None and self.served_model_name is not None
                 and "auto" not in (self.dtype, self.device, self.attention_backend)
+                and self.async_scheduling is not None
                 and self.scheduler.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None)
 
