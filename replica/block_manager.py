@@ -95,9 +95,8 @@ class BlockManager:
         end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
-        tokens = request.all_token_ids
         for i in range(start, end):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            key = (parent, self._block_tokens(request, i))
             block = self.blocks[table[i]]
             # An identical block may already be cached (two requests computed the same prefix
             # at once); the first one stays the cache entry and this one stays private.
@@ -106,6 +105,20 @@ class BlockManager:
                 self.cached_blocks[key] = block.block_id
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        """The tokens of the request's block `index`, without building all_token_ids (a copy
+        of the whole prompt per call: the cost of every decode that fills a block)."""
+        prompt = request.prompt_token_ids
+        num_prompt = len(prompt)
+        lo = index * self.block_size
+        hi = lo + self.block_size
+        if hi <= num_prompt:
+            return tuple(prompt[lo:hi])
+        outputs = request.output_token_ids
+        if lo >= num_prompt:
+            return tuple(outputs[lo - num_prompt : hi - num_prompt])
+        return tuple(prompt[lo:]) + tuple(outputs[: hi - num_prompt])
 
     def mark_computed(self, request: Request) -> None:
         """Called after a step computed tokens for the request: cache its full blocks."""
