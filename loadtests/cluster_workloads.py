@@ -34,13 +34,20 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(lo, hi) for _ in range(n))
 
 
-UNIQUE_STRIDE = 1 << 16  # longer than any prompt
+UNIQUE_BASE = 1 << 31  # own tokens: ids in [2^31, 2^31 + 2^30 + 2^16), above any vocabulary
+
+
+def unique_start(i: int) -> int:
+    """Where request i's own token ids start: distinct for every i < 2^30 (an odd multiplier
+    is a bijection mod 2^30), and prompts share a cache block only if they share its whole
+    chain of blocks before it, so equal starts are the only way two could collide.
+    Token ids stay below 2^32, as the router's prefix hash needs."""
+    return UNIQUE_BASE + (i * 2654435761) % (1 << 30)
 
 
 def _prompt(i: int, head: tuple[int, ...], num_unique: int) -> SyntheticPrompt:
-    """Request i's prompt: a shared head, then tokens no other request of the run has
-    (ids above the vocabulary, from a range of its own)."""
-    return SyntheticPrompt(head, VOCAB[1] + i * UNIQUE_STRIDE, num_unique)
+    """Request i's prompt: a shared head, then tokens no other request of the run has."""
+    return SyntheticPrompt(head, unique_start(i), num_unique)
 
 
 def _poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[float]:
@@ -116,7 +123,9 @@ def diurnal(rate: float, duration_s: float, seed: int = 0) -> list[SimRequest]:
 def multi_tenant(rate: float, duration_s: float, seed: int = 0, tenants: int = 150,
                  context_tokens: int = 6000) -> list[SimRequest]:
     rng = random.Random(f"tenants/{seed}")
-    contexts = [_tokens(rng, context_tokens) for _ in range(tenants)]
+    # Tenant k's context: ids of its own below the requests' own (2^31+) and the vocabulary.
+    contexts = [tuple(range((1 << 29) + k * (1 << 16), (1 << 29) + k * (1 << 16)
+                            + context_tokens)) for k in range(tenants)]
     zipf = [1.0 / (k + 1) ** 0.8 for k in range(tenants)]
     out = []
     for i, t in enumerate(_poisson_times(rng, rate, duration_s)):
