@@ -44,14 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.load * capacity * args.replicas
     t0 = time.perf_counter()
     workload = make(args.workload, rate, args.duration)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     result = simulate(workload, [IterserveRouter() for _ in range(args.routers)],
                       args.replicas, config)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     print(json.dumps({"replicas": args.replicas, "virtual_s": args.duration,
                       "load": args.load, "capacity_req_s_per_replica": capacity,
                       "rate_req_s": rate, "requests": len(workload),
                       "workload_wall_s": t1 - t0, "simulate_wall_s": t2 - t1,
+                      "simulate_cpu_s": c2 - c1,
                       **result.summary()}, indent=1))
     return 0
 
