@@ -17,7 +17,7 @@ from iterserve.replica.request import Request
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0

@@ -100,7 +100,7 @@ def test_router_corrections_match_inflight_tracker() -> None:
         else:  # a stats poll of one replica
             rid = rng.choice("ab")
             loads[rid] = ReplicaLoad(0.1, 0, 0, 10, 10, 0.0, timestamp=now)
-            state.unseen.pop(rid, None)
+            state.stats_published(rid)
         expected = tracker.corrections(loads)
         for rid in "ab":
             got = state.correction(rid)
