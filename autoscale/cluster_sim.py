@@ -156,8 +156,7 @@ class ClusterSim:
         self._freed = False
         for _ in range(num_replicas):
             self._start_slot(ready_at=0.0)
-        for i, spec in enumerate(self.workload):
-            self._push(spec.arrival_time, ARRIVE, (i % len(routers), spec))
+        self._next_arrival = 0  # arrivals are read in order, not heaped (the heap stays small)
         if autoscaler is not None:
             self._push(config.autoscale_interval_s, TICK, None)
 
@@ -168,8 +167,18 @@ class ClusterSim:
     def run(self) -> SimResult:
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
                     PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready}
-        while self.events and self.num_open > 0:
-            t, _, kind, payload = heapq.heappop(self.events)
+        workload, events = self.workload, self.events
+        num_routers = len(self.routers)
+        while self.num_open > 0:
+            i = self._next_arrival
+            if i < len(workload) and (not events or workload[i].arrival_time <= events[0][0]):
+                t, kind, payload = workload[i].arrival_time, ARRIVE, (i % num_routers,
+                                                                      workload[i])
+                self._next_arrival = i + 1
+            elif events:
+                t, _, kind, payload = heapq.heappop(events)
+            else:
+                break
             if t > self.config.max_virtual_s:
                 break
             self.now = t
