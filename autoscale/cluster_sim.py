@@ -19,7 +19,10 @@ Routers are any `RoutingPolicy` (one instance per ingress router; request i goes
 i mod len(routers); routers share nothing but the replicas' published stats). What the
 cluster does to them, as Ray Serve does:
 * routing stats: each replica's `ReplicaLoad` is published every routing_stats_period_s
-  (its own phase); routers see that, plus their own in-flight corrections (`ReplicaView`);
+  (its own phase); routers see that, plus their own in-flight corrections and in-flight
+  counts (`ReplicaView.correction`, `.ongoing`, as `InFlightTracker` would give them);
+  `ReplicaView.cached_prefix_tokens` asks the replica's prefix cache as it is now (the
+  real path would answer from the block hashes of its last stats report);
 * max_ongoing_requests: a replica with that many requests in flight is not offered; when
   none is free the request waits at its router and is retried as soon as one frees up;
 * autoscaling: replicas push (kv_usage, num_waiting, num_running) every

@@ -162,3 +162,23 @@ def test_percentile_is_numpy_linear() -> None:
     expanded = [0.1] * 5 + [0.2] + [0.5] * 3
     for q in (0, 10, 50, 60, 99, 100):
         assert percentile_of_counts(counts, q) == pytest.approx(float(np.percentile(expanded, q)))
+
+
+def test_results_do_not_depend_on_the_process_hash_seed() -> None:
+    """Byte-identical across processes (Python salts str hashes per process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import hashlib\n"
+        "from iterserve.autoscale.cluster_sim import simulate\n"
+        "from iterserve.autoscale.cluster_sim_policies import IterserveRouter\n"
+        "from iterserve.autoscale.cluster_sim_types import ClusterSimConfig\n"
+        "from iterserve.loadtests.cluster_workloads import make\n"
+        "r = simulate(make('multi-turn', 10.0, 20.0), [IterserveRouter(), IterserveRouter()],"
+        " 2, ClusterSimConfig(num_blocks=2000))\n"
+        "print(hashlib.sha256(r.to_json().encode()).hexdigest())\n")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True, env={"PYTHONHASHSEED": seed}).stdout
+               for seed in ("1", "2")}
+    assert len(digests) == 1
