@@ -360,6 +360,8 @@ class ClusterSim:
                              target_replicas=self.target, signals=signals,
                              queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
         desired = self.autoscaler.desired_replicas(ctx)
+        if desired < 1 and ctx.queued_at_handles > 0:
+            desired = 1  # Serve scales from zero as soon as a request waits at a handle
         if desired > self.target:
             for _ in range(desired - self.target):
                 self._start_slot(ready_at=self.now + self.config.startup_delay_s)

@@ -182,3 +182,23 @@ def test_results_do_not_depend_on_the_process_hash_seed() -> None:
                               check=True, env={"PYTHONHASHSEED": seed}).stdout
                for seed in ("1", "2")}
     assert len(digests) == 1
+
+
+def test_a_request_that_can_never_fit_is_rejected_and_the_rest_finish() -> None:
+    workload = make_workload(20, rate=10.0, num_prefixes=0)
+    too_long = SimRequest("huge", 0.5, tuple(range(100, 3100)), 10)  # > max_model_len 2048
+    result = simulate(sorted(workload + [too_long], key=lambda r: r.arrival_time),
+                      [IterserveRouter()], 1, SMALL)
+    huge = next(r for r in result.records if r.request_id == "huge")
+    assert huge.replica is None and huge.first_token is None
+    assert result.num_finished == 20
+
+
+def test_scale_from_zero_when_requests_wait() -> None:
+    quiet_then_busy = make_workload(20, rate=0.05, num_prefixes=0, output=(8, 16))
+    config = ClusterSimConfig(**{**SMALL.__dict__, "startup_delay_s": 1.0})
+    scaler = IterserveAutoscaler(AutoscaleConfig(min_replicas=0, max_replicas=2,
+                                                 downscale_delay_s=1.0))
+    result = simulate(quiet_then_busy, [IterserveRouter()], 1, config, scaler)
+    assert result.num_finished == 20
+    assert min(running for _, running, _, _ in result.replicas_over_time) == 0
