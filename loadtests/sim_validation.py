@@ -30,7 +30,7 @@ from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_policies import IterserveRouter
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.percentile import percentile
+from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
@@ -83,7 +83,12 @@ def sim_config(meta: dict[str, Any], seed: int) -> ClusterSimConfig:
 
 def pooled_summary(results: Sequence[SimResult]) -> dict[str, float]:
     ttfts = [t for r in results for t in r.ttfts()]
-    return {"requests": len(results[0].records), "ttft_p50_s": percentile(ttfts, 50),
+    gaps: dict[float, int] = {}
+    for r in results:
+        for gap, n in r.itl_counts.items():
+            gaps[gap] = gaps.get(gap, 0) + n
+    return {"itl_p99_s": percentile_of_counts(gaps, 99), "requests": len(results[0].records),
+            "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
             "throughput_tok_s": sum(r.throughput() for r in results) / len(results),
             "preemptions": sum(sum(x.preemptions for x in r.records) for r in results)
@@ -132,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         f"and engine settings, {args.seeds} seeds per arm, pooled.",
         "",
         "| router | TTFT p50 Ray / sim (s) | ratio | TTFT p99 Ray / sim (s) | ratio "
-        "| throughput Ray / sim (tok/s) | ratio | preemptions Ray / sim | sim CPU s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| throughput Ray / sim (tok/s) | ratio | ITL p99 Ray / sim (s) | preemptions Ray / sim "
+        "| Ray box load (1 min, 2 cores) | sim CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, r, s, cpu in rows:
         lines.append(
@@ -141,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['ttft_p50_s'] / r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.3f} / "
             f"{s['ttft_p99_s']:.3f} | {s['ttft_p99_s'] / r['ttft_p99_s']:.2f} | "
             f"{r['throughput_tok_s']:.0f} / {s['throughput_tok_s']:.0f} | "
-            f"{s['throughput_tok_s'] / r['throughput_tok_s']:.2f} | {r['preemptions']:g} / "
-            f"{s['preemptions']:g} | {cpu:.1f} |")
+            f"{s['throughput_tok_s'] / r['throughput_tok_s']:.2f} | {r['itl_p99_s']:.3f} / "
+            f"{s['itl_p99_s']:.3f} | {r['preemptions']:g} / {s['preemptions']:g} | "
+            f"{r.get('loadavg_1m_at_end', float('nan')):.1f} | {cpu:.1f} |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
