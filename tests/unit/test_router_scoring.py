@@ -262,7 +262,7 @@ def test_adapter_tracks_in_flight_and_affinity():
     assert fresh.replica_id == other.replica_id  # no affinity: load order
     router.on_request_completed(first.replica_id, "1")
     router.on_request_completed(first.replica_id, "never-routed")  # rejected: ignored
-    assert len(router._in_flight) == 0
+    assert len(router._core.in_flight) == 0
 
 
 def test_extract_prompt_token_ids():
