@@ -32,7 +32,7 @@ class _Flight:
     replica_id: Hashable
     prompt_tokens: int
     total_tokens: int  # prompt + max_tokens
-    prefilling: bool = True
+    routed_at: float
 
 
 class _HistoryRouter:
@@ -65,15 +65,10 @@ class _HistoryRouter:
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:
         n = len(request.prompt_token_ids)
-        self.in_flight[request.request_id] = _Flight(replica_id, n, n + request.max_tokens)
+        self.in_flight[request.request_id] = _Flight(replica_id, n, n + request.max_tokens, now)
         cached = self._chain_for
         if cached is not None and cached[0] == request.request_id:
             self.history.record(replica_id, cached[2])
-
-    def on_first_token(self, request_id: str, replica_id: Hashable, now: float) -> None:
-        flight = self.in_flight.get(request_id)
-        if flight is not None:
-            flight.prefilling = False
 
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None:
         self.in_flight.pop(request_id, None)
@@ -118,10 +113,12 @@ class LlmdRouter(_HistoryRouter):
 
 class DynamoRouter(_HistoryRouter):
     """Dynamo's KV router cost (see `dynamo_costs`) with router-tracked active sequences:
-    prefill tokens count until the request's first token (`on_first_token`, else until it
-    completes), decode blocks are the in-flight requests' prompt + max_tokens blocks (Ray
-    passes max_tokens as the expected output). Overlap from the replicas' block hashes
-    (KV events) where given, else from routing history (Dynamo's ApproxKvIndexer)."""
+    decode blocks are the in-flight requests' prompt + max_tokens blocks (Ray passes
+    max_tokens as the expected output). Dynamo drops a request's prefill tokens when its
+    first token streams back; the contract has no first-token hook, so a request counts as
+    prefilling until the replica's published stats are newer than its routing time.
+    Overlap from the replicas' block hashes (KV events) where given, else from routing
+    history (Dynamo's ApproxKvIndexer)."""
 
     def __init__(self, overlap_score_weight: float = 1.0) -> None:
         super().__init__(None)
@@ -133,8 +130,10 @@ class DynamoRouter(_HistoryRouter):
         prefill: dict[Hashable, int] = {}
         decode: dict[Hashable, int] = {}
         bs = ctx.block_size
+        stats_time = {v.replica_id: (-1.0 if v.load is None else v.load.timestamp)
+                      for v in ctx.replicas}
         for f in self.in_flight.values():
-            if f.prefilling:
+            if f.routed_at >= stats_time.get(f.replica_id, -1.0):
                 prefill[f.replica_id] = prefill.get(f.replica_id, 0) + f.prompt_tokens
             decode[f.replica_id] = decode.get(f.replica_id, 0) + -(-f.total_tokens // bs)
         ids = [v.replica_id for v in ctx.replicas]

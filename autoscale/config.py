@@ -68,6 +68,17 @@ class RouterConfig(BaseModel):
         description="Affinity holds while the preferred replica's score is within this "
         "much of the best replica's score; beyond it load wins over cache reuse.",
     )
+    score_prefill_work: bool = Field(
+        True,
+        description="Add the prefill work a replica faces before this request's first "
+        "token to its score: prompt tokens of requests routed since its last stats, plus "
+        "this prompt's tokens the replica does not hold in its prefix cache (when the "
+        "caller knows the replica's cache: `cached_tokens` of rank_replicas).",
+    )
+    prefill_tokens_per_waiting: float = Field(
+        2048.0, gt=0.0,
+        description="Prefill tokens that weigh as much as one waiting request in the score.",
+    )
     routing_stats_period_s: float = Field(
         0.5, gt=0.0, le=1.0,
         description="RequestRouterConfig.request_routing_stats_period_s: how often Serve "

@@ -18,11 +18,18 @@ from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 
 
 class IterserveRouter:
-    def __init__(self, config: RouterConfig | None = None, name: str = "iterserve") -> None:
+    """use_replica_cache: read the replicas' own prefix-cache answers
+    (`ReplicaView.cached_prefix_tokens`) where the caller gives them; False runs the router
+    as the Ray adapter does today (replicas do not report their block hashes to it yet)."""
+
+    def __init__(self, config: RouterConfig | None = None, name: str = "iterserve",
+                 use_replica_cache: bool = True) -> None:
         self.config = config or RouterConfig()
         self.core: KVRouterCore[Hashable] = KVRouterCore(self.config)
         self.name = name
+        self.use_replica_cache = use_replica_cache
         self._pending: tuple[str, int | None, int] | None = None
+        self._cached: dict[Hashable, int] | None = None
 
     def _key(self, request: RouteRequest) -> tuple[int | None, int]:
         pending = self._pending
@@ -37,12 +44,19 @@ class IterserveRouter:
         rng.shuffle(shuffled)
         loads = {v.replica_id: v.load for v in shuffled}
         key, tokens = self._key(ctx.request)
-        ranked = self.core.rank(list(loads), loads, key, tokens, ctx.now)
+        prompt = ctx.request.prompt_token_ids
+        self._cached = None
+        if self.use_replica_cache and all(v.cached_prefix_tokens is not None for v in shuffled):
+            self._cached = {v.replica_id: v.cached_prefix_tokens(prompt) for v in shuffled}
+        ranked = self.core.rank(list(loads), loads, key, tokens, ctx.now,
+                                prompt_tokens=len(prompt), cached_tokens=self._cached)
         return ranked[0]
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:
         key, tokens = self._key(request)
-        self.core.routed(request.request_id, replica_id, now, key, tokens)
+        hit = 0 if self._cached is None else self._cached.get(replica_id, 0)
+        self.core.routed(request.request_id, replica_id, now, key, tokens,
+                         prefill_tokens=max(0, len(request.prompt_token_ids) - hit))
 
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None:
         self.core.completed(request_id)

@@ -116,15 +116,17 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     def _loads(self, replicas: Sequence[RunningReplica]) -> dict[ReplicaID, ReplicaLoad | None]:
         return {r.replica_id: ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas}
 
-    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int]:
-        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, or 0)."""
+    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int, int]:
+        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, prompt length),
+        zeros when the request carries no token ids."""
         if pending_request is None:
-            return None, 0
+            return None, 0, 0
         token_ids = extract_prompt_token_ids(pending_request.args, pending_request.kwargs)
         if token_ids is None:
-            return None, 0
+            return None, 0, 0
         max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
-        return self._core.request_key(token_ids, max_tokens)
+        key, footprint = self._core.request_key(token_ids, max_tokens)
+        return key, footprint, len(token_ids)
 
     async def choose_replicas(
         self,
@@ -140,8 +142,11 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self._rng.shuffle(shuffled)
         by_id = {r.replica_id: r for r in shuffled}
         loads = self._loads(shuffled)
-        key, num_tokens = self._prompt(pending_request)
-        ranked = self._core.rank(list(by_id), loads, key, num_tokens, time.time())
+        key, num_tokens, prompt_tokens = self._prompt(pending_request)
+        # Replicas do not report their prefix-cache block hashes to Ray's router yet, so
+        # cached_tokens is unknown here and the affinity table stands in for it.
+        ranked = self._core.rank(list(by_id), loads, key, num_tokens, time.time(),
+                                 prompt_tokens=prompt_tokens)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
@@ -155,9 +160,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         result: ReplicaResult,
     ) -> None:
         self._ensure_state()
-        key, num_tokens = self._prompt(pending_request)
+        key, num_tokens, prompt_tokens = self._prompt(pending_request)
         self._core.routed(pending_request.metadata.internal_request_id, replica_id,
-                          time.time(), key, num_tokens)
+                          time.time(), key, num_tokens, prefill_tokens=prompt_tokens)
         self._metrics.record_decision(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

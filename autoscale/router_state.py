@@ -40,8 +40,10 @@ class KVRouterCore(Generic[R]):
         return key, len(token_ids) + max_tokens
 
     def rank(self, candidates: Sequence[R], loads: Mapping[R, ReplicaLoad | None],
-             key: int | None, num_tokens: int, now: float) -> list[R]:
-        """Candidates best first (`rank_replicas` with this router's state)."""
+             key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
+             cached_tokens: Mapping[R, int] | None = None) -> list[R]:
+        """Candidates best first (`rank_replicas` with this router's state).
+        cached_tokens: the replicas' own prefix-cache answers for this prompt, if known."""
         return rank_replicas(
             candidates=candidates,
             loads=loads,
@@ -51,11 +53,15 @@ class KVRouterCore(Generic[R]):
             affinity=self.affinity.as_mapping(),
             now=now,
             request_tokens=num_tokens,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
         )
 
     def routed(self, request_id: str, replica_id: R, now: float, key: int | None,
-               num_tokens: int) -> None:
-        self.in_flight.routed(request_id, replica_id, now, prompt_tokens=num_tokens)
+               num_tokens: int, prefill_tokens: int = 0) -> None:
+        """prefill_tokens: the prompt tokens the chosen replica must compute (uncached)."""
+        self.in_flight.routed(request_id, replica_id, now, prompt_tokens=num_tokens,
+                              prefill_tokens=prefill_tokens)
         self.affinity.record(key, replica_id)
 
     def completed(self, request_id: str) -> None:
