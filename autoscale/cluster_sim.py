@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 
 from iterserve.autoscale.cluster_sim_replica import SimReplica
 from iterserve.autoscale.cluster_sim_types import (
-    ITL_RESOLUTION_S,
     ClusterSimConfig,
     RequestRecord,
     SimRequest,
     SimResult,
+    count_gaps,
     request_itl,
 )
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
@@ -293,10 +293,7 @@ class ClusterSim:
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions
         gaps, record.itl_max, record.itl_p99 = request_itl(request.token_times)
-        counts = self.itl_counts
-        for gap in gaps:
-            key = round(gap / ITL_RESOLUTION_S) * ITL_RESOLUTION_S
-            counts[key] = counts.get(key, 0) + 1
+        count_gaps(self.itl_counts, gaps)
         slot.ongoing -= 1
         self.num_open -= 1
         router = self.routers[record.router]

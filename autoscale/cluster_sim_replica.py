@@ -1,40 +1,45 @@
 """One simulated replica: the production Scheduler and BlockManager on a virtual clock.
 
-A replica is idle or inside one engine step. A step is exactly the engine's
-`schedule() -> execute -> update()`, with `SimulatedRunner.batch_shape` and the calibrated
-`CostModel` deciding how long it takes, and every sampled token being the request's
-`output_token_id`. The cluster calls `advance(now)` whenever something happens to the
-replica (a step ends, a request arrives, a stats poll) and `wake_time` says when it must be
-called next.
+A replica is idle or inside one engine step. A step is the engine's `schedule() -> execute
+-> update()`, with `SimulatedRunner.batch_shape` and the calibrated `CostModel` deciding how
+long it takes and every sampled token being the request's `output_token_id`. The cluster
+calls `advance(now)` whenever something happens to the replica (a step ends, a request
+arrives, a stats poll); `wake_time` says when it must be called next.
 
-Fast-forward. When every running request is decoding and nothing waits, the next steps
-are all alike: n decodes whose KV grows by n tokens a step. Until the first of them
-finishes or the free blocks run out (`plan_stretch`), nothing can change that, except a new
-request arriving or someone reading the replica's load. So the replica computes those
-steps' end times alone (the same float additions as step-by-step) and applies the steps
-only when it must (`_materialise`): blocks are taken and registered in the prefix cache in
-exactly the per-step order of the production scheduler, so the outcome is identical to
-running every step (tests/unit/test_cluster_sim.py checks it byte for byte). A touch in the
-middle of a stretch applies the finished steps and turns the step in progress into a real
-`schedule()`, which then ends normally.
+Fast path (config.fast_forward, for the fcfs / continuous / chunked-prefill scheduler).
+The decodes of a step need no per-request work except at block boundaries and at their
+last token (`cluster_sim_decodes.DecodeCohort`), so they are advanced lazily, and the
+production scheduler schedules only the rest: the running prefills and the admissions. It
+runs on the running list without the decodes and with the budget and the batch slots the
+decodes leave (max_num_batched_tokens - n, max_num_seqs - n), which is what its own loop
+leaves them after scheduling the n decodes first. Decodes' blocks are taken before, and
+registered / freed before the scheduler's update of the rest, in running order, as the
+per-step scheduler does. A step in which a preemption could happen (more blocks needed than
+free) runs the whole production scheduler instead, with every request brought up to date.
+So the results are identical to stepping everything (tests/unit/test_cluster_sim.py
+compares the JSON of both byte for byte).
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
+import dataclasses
 
+from iterserve.autoscale.cluster_sim_decodes import (
+    ALLOC,
+    FINISH,
+    SCHEDULE_PHASE,
+    UPDATE_PHASE,
+    DecodeCohort,
+)
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
-from iterserve.replica.request import Request
+from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.sim_runner import CostModel, SimulatedRunner
-
-MIN_STRETCH_STEPS = 2  # shorter stretches are cheaper to step
 
 
 def kv_blocks_for(config: ClusterSimConfig) -> int:
@@ -50,22 +55,6 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
     return blocks
 
 
-@dataclass
-class Stretch:
-    """Pure-decode steps computed ahead: step s (1-based) ends at end_times[s - 1]."""
-
-    requests: list[Request]  # the running requests, in the scheduler's order
-    start_computed: list[int]  # their num_computed_tokens before the stretch
-    start_capacity: list[int]  # tokens their block tables held before the stretch
-    start_time: float
-    end_times: list[float]
-    applied: int = 0  # steps already applied to the scheduler
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.end_times)
-
-
 class SimReplica:
     def __init__(self, replica_id: str, config: ClusterSimConfig, now: float) -> None:
         self.replica_id = replica_id
@@ -73,38 +62,43 @@ class SimReplica:
         self.cost: CostModel = config.sim.cost
         self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
                                           config.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(
+        self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
         )
         self.now = now
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, clock=self._clock)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self._clock)
+        self.decodes = DecodeCohort(self.block_manager, config.max_model_len)
+        self.lazy = config.fast_forward and self.scheduler_config.scheduler_policy == "fcfs" \
+            and self.scheduler_config.batching == "continuous" \
+            and self.scheduler_config.enable_chunked_prefill
         self.step_end: float | None = None  # end of the step in progress (None: idle)
-        self._step: SchedulerOutput | None = None
-        self._stretch: Stretch | None = None
+        self._step: SchedulerOutput | None = None  # what the production scheduler scheduled
+        self._step_is_full = True  # the step ran the whole scheduler (no lazy decodes)
+        self._step_ends: list[float] = []  # end time of every step so far
+        self._seq: dict[str, int] = {}  # running request -> admission order
+        self._next_seq = 0
+        self._reduced: dict[int, SchedulerConfig] = {}
+        self._admitted: list[Request] = []  # admitted by the last lazily scheduled step
         self._output_token: dict[str, int] = {}
-        self.num_steps = 0
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
 
     def _clock(self) -> float:
         return self.now
 
-    # ------------------------------------------------------------------------ queries
+    @property
+    def num_steps(self) -> int:
+        return len(self._step_ends)
+
     @property
     def wake_time(self) -> float | None:
         """When advance() must next be called (None: idle until a request arrives)."""
-        if self._stretch is not None:
-            return self._stretch.end_times[-1]
         return self.step_end
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.requests)
-
     def load(self, now: float) -> ReplicaLoad:
-        """Its load as record_routing_stats reports it (call advance(now) first)."""
-        self._settle(now)
+        """Its load as record_routing_stats reports it (blocks are always exact)."""
+        self.advance(now)
         bm = self.block_manager
         return ReplicaLoad(
             kv_usage=bm.usage,
@@ -116,7 +110,7 @@ class SimReplica:
             timestamp=now,
         )
 
-    def cached_prefix_tokens(self, token_ids: tuple[int, ...]) -> int:
+    def cached_prefix_tokens(self, token_ids: object) -> int:
         """How many leading tokens of a prompt this replica's prefix cache holds now."""
         probe = Request("probe", list(token_ids), SamplingParams(max_tokens=1), 0.0)
         return len(self.block_manager.find_cached_prefix(probe)) * self.block_manager.block_size
@@ -124,7 +118,7 @@ class SimReplica:
     # ----------------------------------------------------------------------- driving
     def add(self, spec: SimRequest, now: float) -> Request:
         """A request arrives (advance(now) first). Raises ValueError if it can never run."""
-        self._settle(now)
+        self.advance(now)
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
         request = Request(spec.request_id, list(spec.prompt_token_ids), params, now)
         self.scheduler.add_request(request)
@@ -134,62 +128,110 @@ class SimReplica:
         return request
 
     def advance(self, now: float) -> None:
-        """Apply every step that ends at or before now; finished requests go to .finished."""
-        while True:
-            if self._stretch is not None:
-                stretch = self._stretch
-                if stretch.end_times[-1] > now:
-                    return
-                self._materialise(stretch.num_steps)
-                self._stretch = None
-                self._start_step(stretch.end_times[-1])
-                continue
-            if self.step_end is None or self.step_end > now:
-                return
-            self._end_step()
+        """Run every step that ends at or before now; finished requests go to .finished."""
+        while self.step_end is not None and self.step_end <= now:
+            end = self.step_end
+            self._end_step(end)
+            self._start_step(end)
 
-    def _settle(self, now: float) -> None:
-        """Make the scheduler's state real at now: apply a stretch's finished steps and
-        schedule the one in progress for real."""
-        self.advance(now)
-        stretch = self._stretch
-        if stretch is None:
-            return
-        done = bisect.bisect_right(stretch.end_times, now)
-        self._materialise(done)
-        self._stretch = None
-        self.now = stretch.end_times[done - 1] if done else stretch.start_time
-        output = self.scheduler.schedule()
-        self._step = output
-        self.step_end = stretch.end_times[done]
-        self.num_steps += 1
-
-    # -------------------------------------------------------------------------- steps
+    # ------------------------------------------------------------------------ steps
     def _start_step(self, now: float) -> None:
         self.now = now
-        if not self.scheduler.has_unfinished_requests():
+        scheduler = self.scheduler
+        if not scheduler.has_unfinished_requests():
             self.step_end = None
-            self._step = None
             return
-        if self.config.fast_forward:
-            stretch = self.plan_stretch(now)
-            if stretch is not None:
-                self._stretch = stretch
-                self.step_end = None
-                self._step = None
-                return
-        output = self.scheduler.schedule()
-        if output.is_empty:  # nothing can run (cannot happen after check_fits) - stay idle
-            self.step_end = None
-            self._step = None
+        step = self.num_steps + 1
+        output = self._schedule_lazily(step) if self.lazy and len(self.decodes) else None
+        if output is None:
+            self._bring_decodes_up_to_date()
+            output = scheduler.schedule()
+            self._step_is_full = True
+            prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
+        else:
+            self._step_is_full = False
+            prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
+            n = len(self.decodes)
+            decode_seqs += n
+            kv += self.decodes.kv_tokens_read(step)
+        self._note_admissions(scheduler.running if self._step_is_full else self._admitted)
+        if self._step_is_full and output.is_empty:
+            self.step_end = None  # nothing can run (cannot happen after check_fits)
             return
         self._step = output
-        self.step_end = now + self.cost.step_time(*SimulatedRunner.batch_shape(output))
-        self.num_steps += 1
+        self.step_end = now + self.cost.step_time(prefill, decode_seqs, kv)
 
-    def _end_step(self) -> None:
-        output, end = self._step, self.step_end
+    def _schedule_lazily(self, step: int) -> SchedulerOutput | None:
+        """schedule() of everything but the decodes, or None if this step must run whole."""
+        scheduler, decodes, bm = self.scheduler, self.decodes, self.block_manager
+        n = len(decodes)
+        config = self.scheduler_config
+        if n >= config.max_num_seqs or n >= config.max_num_batched_tokens:
+            return None
+        allocations = decodes.due(step, SCHEDULE_PHASE)
+        members = decodes.members
+        rest = [r for r in scheduler.running if r.request_id not in members]
+        if len(allocations) + self._blocks_for_prefills(rest, config.max_num_batched_tokens - n) \
+                > bm.num_free_blocks:
+            return None  # a preemption is possible: the whole scheduler decides
+        for _, member in allocations:
+            member.request.num_computed_tokens = member.computed_after(step - 1)
+            bm.allocate(member.request, 1)
+        everyone, num_rest = scheduler.running, len(rest)
+        scheduler.running = rest
+        scheduler.config = self._reduced_config(n)
+        try:
+            output = scheduler.schedule()
+        finally:
+            scheduler.config = config
+            self._admitted = rest[num_rest:]
+            scheduler.running = everyone + self._admitted  # admissions join at the end
+        if output.preempted:
+            raise RuntimeError("a preemption in a lazily scheduled step: the block check "
+                               "before it is wrong")
+        return output
+
+    def _blocks_for_prefills(self, rest: list[Request], budget: int) -> int:
+        """Blocks the running prefills' next chunks take (the scheduler's own loop)."""
+        needed = 0
+        for request in rest:
+            if budget == 0:
+                break
+            remaining = request.num_uncomputed_tokens
+            num_new = remaining if remaining <= budget else budget
+            needed += self.block_manager.num_new_blocks_needed(request, num_new)
+            budget -= num_new
+        return needed
+
+    def _reduced_config(self, n: int) -> SchedulerConfig:
+        config = self._reduced.get(n)
+        if config is None:
+            base = self.scheduler_config
+            config = dataclasses.replace(base, max_num_seqs=base.max_num_seqs - n,
+                                         max_num_batched_tokens=base.max_num_batched_tokens - n)
+            self._reduced[n] = config
+        return config
+
+    def _note_admissions(self, candidates: list[Request]) -> None:
+        """Give newly running requests their admission order (the running list's order)."""
+        for request in candidates:
+            if request.request_id not in self._seq:
+                self._seq[request.request_id] = self._next_seq
+                self._next_seq += 1
+
+    def _bring_decodes_up_to_date(self) -> None:
+        step = self.num_steps
+        for member in self.decodes.all_members():
+            self.decodes.materialise(member, step, self._step_ends)
+        self.decodes.clear()
+
+    def _end_step(self, end: float) -> None:
         self.now = end
+        self._step_ends.append(end)
+        step = self.num_steps
+        output = self._step
+        if not self._step_is_full:
+            self._update_decodes(step)
         runner_output = RunnerOutput()
         tokens = runner_output.sampled_token_ids
         for scheduled in output.scheduled:
@@ -198,110 +240,36 @@ class SimReplica:
                 tokens[rid] = self._output_token[rid]
         for request in self.scheduler.update(output, runner_output):
             if request.is_finished:
-                self._output_token.pop(request.request_id, None)
-                self.finished.append(request)
-        self._start_step(end)
+                self._forget(request)
+        for request in output.preempted:
+            self._seq.pop(request.request_id, None)
+        if self.lazy:
+            self._join_decodes(step, self.scheduler.running if self._step_is_full
+                               else [s.request for s in output.scheduled])
 
-    # -------------------------------------------------------------------- fast-forward
-    def plan_stretch(self, now: float) -> Stretch | None:
-        """The pure-decode steps that can run from now unchanged (None if fewer than
-        MIN_STRETCH_STEPS): no waiting request, every running one decoding, none finishing
-        and no block shortage before the stretch ends."""
-        scheduler = self.scheduler
-        if scheduler.num_waiting or scheduler._padding_rows:  # noqa: SLF001 - static batch
-            return None
-        running = list(scheduler.running)
-        n = len(running)
-        config = scheduler.config
-        if n == 0 or n > config.max_num_batched_tokens or config.batching != "continuous":
-            return None
-        max_len = config.max_model_len
-        steps_left = None
-        kv_tokens = 0
-        for r in running:
-            if r.num_uncomputed_tokens != 1 or r.num_computed_tokens == 0:
-                return None
-            left = min(r.sampling_params.max_tokens - r.num_output_tokens,
-                       max_len - r.num_tokens)
-            steps_left = left if steps_left is None else min(steps_left, left)
-            kv_tokens += r.num_computed_tokens
-        if steps_left - 1 < MIN_STRETCH_STEPS:
-            return None
-        tables = self.block_manager.block_tables
-        block_size = self.block_manager.block_size
-        stretch = Stretch(running, [r.num_computed_tokens for r in running],
-                          [len(tables[r.request_id]) * block_size for r in running], now, [])
-        num_steps = min(steps_left - 1, self._steps_before_block_shortage(stretch, steps_left))
-        if num_steps < MIN_STRETCH_STEPS:
-            return None
-        t = now
-        step_time = self.cost.step_time
-        end_times = stretch.end_times
-        for s in range(1, num_steps + 1):
-            t = t + step_time(0, n, kv_tokens + n * s)
-            end_times.append(t)
-        return stretch
-
-    def _block_events(self, stretch: Stretch, first: int, last: int
-                      ) -> list[tuple[int, int, int]]:
-        """(step, 0 = take a block / 1 = register a full block, request index) for the
-        steps first..last, in the order the per-step scheduler does them."""
-        block_size = self.block_manager.block_size
-        events = []
-        for i, c0 in enumerate(stretch.start_computed):
-            # Step s computes position c0 + s - 1: a new block each time it passes the
-            # capacity the request had when the stretch began ...
-            s = stretch.start_capacity[i] - c0 + 1
-            if s < first:
-                s += -(-(first - s) // block_size) * block_size
-            while s <= last:
-                events.append((s, 0, i))
-                s += block_size
-            # ... and a full block to register when c0 + s reaches a block boundary.
-            s = block_size - c0 % block_size
-            if s < first:
-                s += -(-(first - s) // block_size) * block_size
-            while s <= last:
-                events.append((s, 1, i))
-                s += block_size
-        events.sort()
-        return events
-
-    def _steps_before_block_shortage(self, stretch: Stretch, horizon: int) -> int:
-        free = self.block_manager.num_free_blocks
-        taken = 0
-        for step, kind, _ in self._block_events(stretch, 1, horizon):
-            if kind == 0:
-                taken += 1
-                if taken > free:
-                    return step - 1
-        return horizon
-
-    def _materialise(self, upto: int) -> None:
-        """Apply steps applied+1..upto of the stretch, exactly as step-by-step would."""
-        stretch = self._stretch
-        first = stretch.applied + 1
-        if upto < first:
-            return
-        requests, c0 = stretch.requests, stretch.start_computed
-        new_times = stretch.end_times[first - 1 : upto]
-        num_new = upto - first + 1
-        for request in requests:  # each step samples one token per request
-            if request.first_token_time is None:  # a prefill chunk left exactly one token
-                request.first_token_time = new_times[0]
-            request.output_token_ids.extend([self._output_token[request.request_id]] * num_new)
-            request.token_times.extend(new_times)
-        bm = self.block_manager
-        for step, kind, i in self._block_events(stretch, first, upto):
-            request = requests[i]
-            if kind == 0:  # schedule() of that step: blocks for the token it computes
-                request.num_computed_tokens = c0[i] + step - 1
-                bm.allocate(request, 1)
-            else:  # update() of that step: the block it filled joins the prefix cache
-                request.num_computed_tokens = c0[i] + step
+    def _update_decodes(self, step: int) -> None:
+        decodes, bm = self.decodes, self.block_manager
+        for kind, member in decodes.due(step, UPDATE_PHASE):
+            request = member.request
+            if kind == FINISH:
+                decodes.leave(request.request_id, step)
+                decodes.materialise(member, step, self._step_ends)
+                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                self._forget(request)
+            elif kind != ALLOC:  # REGISTER: the block it just filled joins the prefix cache
+                decodes.materialise(member, step)
                 bm.mark_computed(request)
-        for i, request in enumerate(requests):
-            request.num_computed_tokens = c0[i] + upto
-        stretch.applied = upto
-        self.num_steps += num_new
-        self.now = stretch.end_times[upto - 1]
+
+    def _join_decodes(self, step: int, candidates: list[Request]) -> None:
+        """Running requests the step left with one token to compute become decodes."""
+        decodes = self.decodes
+        for request in candidates:
+            rid = request.request_id
+            if rid not in decodes and request.status == RequestStatus.RUNNING \
+                    and request.num_uncomputed_tokens == 1 and request.num_computed_tokens > 0:
+                decodes.join(request, self._seq[rid], step, self._output_token[rid])
+
+    def _forget(self, request: Request) -> None:
+        self._output_token.pop(request.request_id, None)
+        self._seq.pop(request.request_id, None)
+        self.finished.append(request)

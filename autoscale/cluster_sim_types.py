@@ -7,9 +7,12 @@ JSON-able, so a result can be compared byte for byte (`SimResult.to_json`).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +20,65 @@ from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.replica.sim_runner import SimulatorConfig
 
 ITL_RESOLUTION_S = 1e-4  # inter-token gaps are counted in 0.1 ms bins
+ITL_BINS_PER_S = 1e4
+
+
+class SyntheticPrompt(Sequence):
+    """A prompt that costs no memory until a replica runs it: a shared prefix (a tuple
+    held by reference, e.g. a tenant's context) followed by `num_unique` tokens that no
+    other prompt has (ids unique_start, unique_start + 1, ...; pick disjoint ranges).
+
+    Hundreds of thousands of queued requests would otherwise hold their token lists for the
+    whole run. Iterating, slicing and len() are C-speed (itertools / range).
+    """
+
+    __slots__ = ("prefix", "unique_start", "num_unique")
+
+    def __init__(self, prefix: tuple[int, ...], unique_start: int, num_unique: int) -> None:
+        if num_unique < 0:
+            raise ValueError("num_unique must be >= 0")
+        self.prefix = prefix
+        self.unique_start = unique_start
+        self.num_unique = num_unique
+
+    def __len__(self) -> int:
+        return len(self.prefix) + self.num_unique
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.prefix,
+                               range(self.unique_start, self.unique_start + self.num_unique))
+
+    def __getitem__(self, index: int | slice) -> Any:  # noqa: ANN401
+        if isinstance(index, slice):
+            return tuple(self)[index] if index.step not in (None, 1) or (
+                index.start is not None and index.start < 0) else self._slice(index)
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(index)
+        p = len(self.prefix)
+        return self.prefix[index] if index < p else self.unique_start + index - p
+
+    def _slice(self, index: slice) -> tuple[int, ...]:
+        start, stop, _ = index.indices(len(self))
+        p = len(self.prefix)
+        head = self.prefix[start:min(stop, p)]
+        lo, hi = max(start, p) - p, max(stop, p) - p
+        return head + tuple(range(self.unique_start + lo, self.unique_start + hi))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SyntheticPrompt):
+            return (self.prefix, self.unique_start, self.num_unique) == (
+                other.prefix, other.unique_start, other.num_unique)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.prefix, self.unique_start, self.num_unique))
+
+    def __repr__(self) -> str:
+        return (f"SyntheticPrompt(prefix={len(self.prefix)} tokens, "
+                f"unique {self.unique_start}+{self.num_unique})")
 
 
 @dataclass(frozen=True)
@@ -31,7 +93,7 @@ class SimRequest:
 
     request_id: str
     arrival_time: float
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]  # a tuple, or a SyntheticPrompt
     max_tokens: int
     session_id: str | None = None
     output_token_id: int = 1
@@ -89,7 +151,7 @@ class ClusterSimConfig:
             raise ValueError("max_ongoing_requests, max_num_seqs and block_size must be >= 1")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """One request's fate. Times are virtual seconds; None where it never got that far."""
 
@@ -207,7 +269,16 @@ class SimResult:
 
 def request_itl(token_times: Sequence[float]) -> tuple[list[float], float, float]:
     """(gaps, max gap, p99 gap) of one request's token times."""
-    gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    gaps = list(map(operator.sub, token_times[1:], token_times[:-1]))
     if not gaps:
         return gaps, 0.0, 0.0
     return gaps, max(gaps), percentile(gaps, 99)
+
+
+def count_gaps(counts: dict[float, int], gaps: Sequence[float]) -> None:
+    """Add gaps to a {bin: count} histogram of ITL_RESOLUTION_S bins (each gap counts at
+    its bin's lower edge; C-speed: a run holds millions of gaps)."""
+    bins = collections.Counter(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
+    for b, n in bins.items():
+        key = b / ITL_BINS_PER_S
+        counts[key] = counts.get(key, 0) + n

@@ -95,17 +95,33 @@ class BlockManager:
         end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
-        tokens = request.all_token_ids
+        block_size = self.block_size
+        tokens = self._token_range(request, start * block_size, end * block_size)
+        cached = self.cached_blocks
         for i in range(start, end):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            offset = (i - start) * block_size
+            key = (parent, tuple(tokens[offset : offset + block_size]))
             block = self.blocks[table[i]]
             # An identical block may already be cached (two requests computed the same prefix
             # at once); the first one stays the cache entry and this one stays private.
-            if block.key is None and key not in self.cached_blocks:
+            if block.key is None and key not in cached:
                 block.key = key
-                self.cached_blocks[key] = block.block_id
+                cached[key] = block.block_id
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
+
+    @staticmethod
+    def _token_range(request: Request, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi) of the request, without building all_token_ids (a copy of the
+        whole prompt per call: the cost of every decode that fills a block)."""
+        prompt = request.prompt_token_ids
+        num_prompt = len(prompt)
+        if hi <= num_prompt:
+            return prompt[lo:hi]
+        outputs = request.output_token_ids
+        if lo >= num_prompt:
+            return outputs[lo - num_prompt : hi - num_prompt]
+        return prompt[lo:] + outputs[: hi - num_prompt]
 
     def mark_computed(self, request: Request) -> None:
         """Called after a step computed tokens for the request: cache its full blocks."""
