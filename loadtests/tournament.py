@@ -71,14 +71,15 @@ def capacities(workloads: Sequence[str], cost_scale: dict[str, float] | None,
 
 def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence[float],
                  routers: Sequence[str], caps: dict[str, float], seed: int,
-                 cost_scale: dict[str, float] | None = None, kind: str = "router"
-                 ) -> list[dict[str, Any]]:
+                 cost_scale: dict[str, float] | None = None, kind: str = "router",
+                 fixed_duration_s: float | None = None) -> list[dict[str, Any]]:
     cells = []
     for workload in workloads:
         for n in sizes:
             for load in loads:
                 rate = load * caps[workload] * n
-                duration = max(MIN_DURATION_S.get(n, 15.0), MIN_REQUESTS / rate)
+                duration = fixed_duration_s or max(MIN_DURATION_S.get(n, 15.0),
+                                                   MIN_REQUESTS / rate)
                 for router in routers:
                     cells.append({"kind": kind, "workload": workload, "replicas": n,
                                   "load": load, "rate": rate, "duration_s": duration,
@@ -86,9 +87,9 @@ def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence
     return cells
 
 
-def autoscaler_cells(cap: float, seed: int) -> list[dict[str, Any]]:
-    """Diurnal at a mean rate that 8 replicas carry at 60 %; the spike needs ~3x that."""
-    rate = 0.6 * cap * 8
+def autoscaler_cells(cap: float, seed: int, load: float) -> list[dict[str, Any]]:
+    """Diurnal at a mean rate that 8 replicas carry at `load`; the spike needs ~3x that."""
+    rate = load * cap * 8
     peak_need = math.ceil(3 * rate / (0.8 * cap))
     cells = []
     for name in AUTOSCALERS:
@@ -130,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
     p.add_argument("--loads", nargs="*", type=float, default=list(LOADS))
     p.add_argument("--routers", nargs="*", default=list(ROUTERS))
+    p.add_argument("--duration", type=float, default=None,
+                   help="virtual seconds per router cell (default: enough for "
+                   f"{MIN_REQUESTS} requests, at least {MIN_DURATION_S[8]:.0f} s at 8 replicas)")
+    p.add_argument("--big-loads", nargs="*", type=float, default=list(LOADS))
+    p.add_argument("--sensitivity-workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--autoscale-load", type=float, default=0.6,
+                   help="diurnal mean rate as a fraction of 8 replicas' capacity")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     from iterserve.loadtests.tournament_report import write_report
@@ -153,18 +161,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
     if "routers" in parts:
         cells += router_cells(args.workloads, args.sizes, args.loads, args.routers, caps,
-                              args.seed)
+                              args.seed, fixed_duration_s=args.duration)
     if "big" in parts:
         big = [w for w in BIG_WORKLOADS if w in args.workloads]
-        cells += router_cells(big, BIG_SIZES, args.loads, args.routers, caps, args.seed)
+        cells += router_cells(big, BIG_SIZES, args.big_loads, args.routers, caps, args.seed,
+                              fixed_duration_s=args.duration)
     if "sensitivity" in parts:
         for scale in SENSITIVITY:
-            scaled = capacities(args.workloads, scale, store["capacity"])
-            cells += router_cells(args.workloads, [8], [0.8], args.routers, scaled, args.seed,
-                                  scale, kind="sensitivity")
+            names = args.sensitivity_workloads
+            scaled = capacities(names, scale, store["capacity"])
+            cells += router_cells(names, [8], [0.8], args.routers, scaled, args.seed,
+                                  scale, kind="sensitivity", fixed_duration_s=args.duration)
     if "autoscalers" in parts:
-        cells += autoscaler_cells(capacities(["diurnal"], None, store["capacity"])["diurnal"],
-                                  args.seed)
+        cap = capacities(["diurnal"], None, store["capacity"])["diurnal"]
+        cells += autoscaler_cells(cap, args.seed, args.autoscale_load)
     path.write_text(json.dumps(store, indent=1, sort_keys=True))
     run_all(cells, args.jobs, store, path)
     write_report(store, args.out, stem)

@@ -57,6 +57,9 @@ ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {
     "ray-prefix": RayPrefixAffinityRouter,
     "sglang": SglangRouter,
     "iterserve": IterserveRouter,
+    # the same router without the replicas' cache answers: what the Ray adapter runs today
+    "iterserve-nocache": lambda: IterserveRouter(name="iterserve-nocache",
+                                                 use_replica_cache=False),
 }
 
 

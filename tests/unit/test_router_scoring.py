@@ -316,12 +316,12 @@ def test_prefill_work_counts_the_size_of_unseen_prompts():
     off = {s.replica_id: s.score for s in score_replicas(["a", "b"], loads, corr, off_cfg,
                                                          NOW)}
     gap = (on["a"] - on["b"]) - (off["a"] - off["b"])
-    assert abs(gap - (6000 - 100) / 2048) < 1e-9
+    assert abs(gap - (6000 - 100) / CFG.prefill_tokens_per_waiting) < 1e-9
 
 
 def test_replica_cache_answers_replace_affinity():
     loads = {"a": load(kv=0.2), "b": load(kv=0.1)}
-    # b holds 6000 of the 7000-token prompt: 6000 / 2048 waiting-equivalents saved
+    # b holds 6000 of the 7000-token prompt: 6000 / 1024 waiting-equivalents saved
     cached = {"a": 0, "b": 6000}
     assert rank_replicas(["a", "b"], loads, {}, CFG, prompt_tokens=7000,
                          cached_tokens=cached)[0] == "b"
@@ -330,6 +330,6 @@ def test_replica_cache_answers_replace_affinity():
                          prompt_prefix_hash=7, affinity={7: "a"}, prompt_tokens=7000,
                          cached_tokens={"a": 0, "b": 6000})[0] == "b"
     # but load still wins over a cache hit when the cached replica is far behind
-    busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=6)}
+    busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=9)}
     assert rank_replicas(["a", "b"], busy, {}, CFG, prompt_tokens=7000,
                          cached_tokens=cached)[0] == "a"
