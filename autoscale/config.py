@@ -81,6 +81,17 @@ class RouterConfig(BaseModel):
         "(1024: ~30 ms of H100 prefill for an 8B model; the tournament's sweep of 256-4096 "
         "put 256-1024 ahead of 2048-4096 on skewed bursts and multi-tenant).",
     )
+    routed_work_weight: float = Field(
+        8.0, ge=0.0,
+        description="Score weight of the prefill tokens this router sent each replica "
+        "recently (decayed, above the least-sent replica), in prefill_tokens_per_waiting "
+        "units, scaled down by the share of the prompt some replica caches: balances work "
+        "the stale stats cannot show yet. 0 disables. (Tournament sweep 0.25-8: 8 best on "
+        "steady and skewed bursts; 4-8 on multi-tenant.)",
+    )
+    routed_work_half_life_s: float = Field(
+        5.0, gt=0.0, description="Half-life of the routed-work meter.",
+    )
     routing_stats_period_s: float = Field(
         0.5, gt=0.0, le=1.0,
         description="RequestRouterConfig.request_routing_stats_period_s: how often Serve "

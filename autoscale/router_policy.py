@@ -26,7 +26,12 @@ L.timestamp and not yet seen complete):
                   do not reflect yet (queued ahead of this one); P = this prompt's tokens;
                   H = how many leading tokens of it r holds in its prefix cache (the
                   replica's own answer, `cached_tokens`; 0 when unknown)
-    score       = waiting_weight * eff_waiting + kv_weight * eff_kv + prefill
+    sent        = w * (W_r - min over candidates W) / prefill_tokens_per_waiting
+    w           = routed_work_weight * (1 - the largest share of this prompt any replica
+                  caches): where a replica holds the prefix, the cache term decides
+    W_r         = uncached prompt tokens this router sent r, decayed with
+                  routed_work_half_life_s (`RoutedWorkMeter`; none given: 0)
+    score       = waiting_weight * eff_waiting + kv_weight * eff_kv + prefill + sent
 
 Replicas are sorted by (tier, score), ties kept in candidate order (the Ray adapter shuffles
 candidates first so that independent routers do not all pick the same replica). With the
@@ -170,10 +175,17 @@ def score_replicas(
     request_tokens: int = 0,
     prompt_tokens: int = 0,
     cached_tokens: Mapping[R, int] | None = None,
+    routed_work: Mapping[R, float] | None = None,
 ) -> list[ReplicaScore]:
     """Score every candidate (same order as candidates); see the module docstring."""
     scores = []
     per_waiting = config.prefill_tokens_per_waiting
+    work = routed_work or {}
+    least_work = min((work.get(r, 0.0) for r in candidates), default=0.0)
+    # Where some replica caches most of this prompt, where it goes is the cache's call
+    # (within the load terms); the meter weighs in by the share that is not cached anywhere.
+    best_hit = max(cached_tokens.values(), default=0) if cached_tokens else 0
+    work_weight = config.routed_work_weight * (1.0 - min(1.0, best_hit / max(1, prompt_tokens)))
     for rid in candidates:
         load = loads.get(rid)
         correction = _as_correction(in_flight_corrections.get(rid))
@@ -188,6 +200,8 @@ def score_replicas(
             hit = 0 if cached_tokens is None else cached_tokens.get(rid, 0)
             own = max(0, prompt_tokens - hit)
             score += (correction.prefill_tokens + own) / per_waiting
+        if work:
+            score += work_weight * (work.get(rid, 0.0) - least_work) / per_waiting
         scores.append(ReplicaScore(rid, tier, score, eff_waiting, eff_kv, stale))
     return scores
 
@@ -203,6 +217,7 @@ def rank_replicas(
     request_tokens: int = 0,
     prompt_tokens: int = 0,
     cached_tokens: Mapping[R, int] | None = None,
+    routed_work: Mapping[R, float] | None = None,
 ) -> list[R]:
     """Candidates best first. Pure: reads no clock (`now` is the caller's time.time()).
 
@@ -215,7 +230,7 @@ def rank_replicas(
     tokens it holds in its prefix cache (None: unknown; then the affinity table decides).
     """
     scores = score_replicas(candidates, loads, in_flight_corrections, config, now,
-                            request_tokens, prompt_tokens, cached_tokens)
+                            request_tokens, prompt_tokens, cached_tokens, routed_work)
     order = sorted(range(len(scores)), key=lambda i: (scores[i].tier, scores[i].score, i))
     ranked: list[R] = [candidates[i] for i in order]
     if not (config.prefix_affinity and prompt_prefix_hash is not None and affinity):
@@ -266,6 +281,31 @@ class PrefixAffinityTable(Generic[R]):
 
     def __len__(self) -> int:
         return len(self._table)
+
+
+class RoutedWorkMeter(Generic[R]):
+    """Prefill tokens this router sent each replica, decayed exponentially (no clock: times
+    are passed in). A replica that joins starts at 0 and is compared with the least-sent
+    one, so it takes extra work only until it catches up, never a flood."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self._half_life_s = half_life_s
+        self._tokens: dict[R, tuple[float, float]] = {}  # replica -> (tokens, as of time)
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        tokens, at = entry
+        return tokens * 0.5 ** (max(0.0, now - at) / self._half_life_s)
+
+    def add(self, replica_id: R, tokens: int, now: float) -> None:
+        entry = self._tokens.get(replica_id)
+        base = 0.0 if entry is None else self._decayed(entry, now)
+        self._tokens[replica_id] = (base + tokens, now)
+
+    def snapshot(self, now: float) -> dict[R, float]:
+        return {rid: self._decayed(e, now) for rid, e in self._tokens.items()}
+
+    def forget_replica(self, replica_id: R) -> None:
+        self._tokens.pop(replica_id, None)
 
 
 class InFlightTracker(Generic[R]):

@@ -16,6 +16,7 @@ from iterserve.autoscale.router_policy import (
     InFlightTracker,
     PrefixAffinityTable,
     R,
+    RoutedWorkMeter,
     prefix_hash,
     rank_replicas,
 )
@@ -27,6 +28,7 @@ class KVRouterCore(Generic[R]):
         self.config = config
         self.affinity: PrefixAffinityTable[R] = PrefixAffinityTable(config.prefix_max_entries)
         self.in_flight: InFlightTracker[R] = InFlightTracker()
+        self.routed_work: RoutedWorkMeter[R] = RoutedWorkMeter(config.routed_work_half_life_s)
 
     def request_key(self, token_ids: Sequence[int] | None, max_tokens: int
                     ) -> tuple[int | None, int]:
@@ -55,6 +57,7 @@ class KVRouterCore(Generic[R]):
             request_tokens=num_tokens,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
+            routed_work=self.routed_work.snapshot(now) if self.config.routed_work_weight else None,
         )
 
     def routed(self, request_id: str, replica_id: R, now: float, key: int | None,
@@ -62,6 +65,7 @@ class KVRouterCore(Generic[R]):
         """prefill_tokens: the prompt tokens the chosen replica must compute (uncached)."""
         self.in_flight.routed(request_id, replica_id, now, prompt_tokens=num_tokens,
                               prefill_tokens=prefill_tokens)
+        self.routed_work.add(replica_id, prefill_tokens, now)
         self.affinity.record(key, replica_id)
 
     def completed(self, request_id: str) -> None:
@@ -72,7 +76,10 @@ class KVRouterCore(Generic[R]):
         live_ids = set(live)
         for rid in {r for r in self.affinity.as_mapping().values() if r not in live_ids}:
             self.affinity.forget_replica(rid)
+        for rid in [r for r in self.routed_work.snapshot(0.0) if r not in live_ids]:
+            self.routed_work.forget_replica(rid)
 
     def replica_died(self, replica_id: R) -> None:
         self.affinity.forget_replica(replica_id)
         self.in_flight.forget_replica(replica_id)
+        self.routed_work.forget_replica(replica_id)

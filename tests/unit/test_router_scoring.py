@@ -243,7 +243,9 @@ def test_adapter_tracks_in_flight_and_affinity():
     import asyncio
     import time as _time
 
-    router = _router()  # first: see test_adapter_ranks_singletons_and_sets_backoff
+    # first: see test_adapter_ranks_singletons_and_sets_backoff. The routed-work meter is
+    # off: this test is about affinity and in-flight counts (the meter has its own test).
+    router = _router(routed_work_weight=0.0)
     now = _time.time()
     a = _FakeReplica("a", load(kv=0.1, ts=now - 0.5).to_dict())
     b = _FakeReplica("b", load(kv=0.1, ts=now - 0.5).to_dict())
@@ -333,3 +335,21 @@ def test_replica_cache_answers_replace_affinity():
     busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=9)}
     assert rank_replicas(["a", "b"], busy, {}, CFG, prompt_tokens=7000,
                          cached_tokens=cached)[0] == "a"
+
+
+def test_routed_work_meter_decays_and_balances_what_stats_cannot_show():
+    from iterserve.autoscale.router_policy import RoutedWorkMeter
+
+    meter: RoutedWorkMeter[str] = RoutedWorkMeter(half_life_s=5.0)
+    meter.add("a", 4096, now=0.0)
+    assert meter.snapshot(5.0)["a"] == 2048.0
+    meter.add("a", 1000, now=5.0)
+    assert meter.snapshot(5.0)["a"] == 3048.0
+    loads = {"a": load(), "b": load()}
+    work = meter.snapshot(5.0)
+    assert rank_replicas(["a", "b"], loads, {}, CFG, routed_work=work)[0] == "b"
+    # a replica that caches most of the prompt keeps it despite the work sent there
+    assert rank_replicas(["a", "b"], loads, {}, CFG, routed_work=work, prompt_tokens=7000,
+                         cached_tokens={"a": 6000, "b": 0})[0] == "a"
+    meter.forget_replica("a")
+    assert meter.snapshot(5.0) == {}
