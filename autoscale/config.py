@@ -131,10 +131,14 @@ class AutoscaleConfig(BaseModel):
         2.0, ge=0.0, description="Overload must last this long before scaling up.",
     )
     downscale_delay_s: float = Field(
-        20.0, ge=0.0, description="Underload must last this long before each scale-down.",
+        60.0, ge=0.0,
+        description="Underload must last this long before each scale-down (20 s gave "
+        "replicas back too early for a 3x spike to be absorbed: tournament, diurnal).",
     )
     max_upscale_step: int = Field(
-        2, ge=1, description="Most replicas added in one decision.",
+        16, ge=1,
+        description="Most replicas added in one decision (the step is proportional to the "
+        "pressure; 2 needed several 30 s start-ups to triple capacity).",
     )
     stats_stale_after_s: float = Field(
         10.0, gt=0.0,

@@ -122,9 +122,14 @@ def _autoscaler_section(cells: list[dict[str, Any]]) -> list[str]:
         cheapest = min(others)[1] if others else "none"
         meets = ours["ttft_slo_attainment"] >= 0.99
         cheaper = not others or ours["gpu_hours"] <= min(others)[0]
-        lines += ["", f"iterserve {'meets' if meets else 'MISSES'} the 99 % TTFT SLO; "
-                  f"cheapest other autoscaler meeting it: {cheapest}; iterserve "
-                  f"{'uses no more' if cheaper else 'uses MORE'} GPU-hours than it.", ""]
+        if meets:
+            verdict = (f"iterserve meets the 99 % TTFT SLO and uses "
+                       f"{'no more' if cheaper else 'MORE'} GPU-hours than the cheapest other "
+                       f"autoscaler meeting it ({cheapest}).")
+        else:
+            verdict = (f"iterserve MISSES the 99 % TTFT SLO (cheapest autoscaler meeting it: "
+                       f"{cheapest}).")
+        lines += ["", verdict, ""]
     return lines
 
 
@@ -185,7 +190,8 @@ def _plots(cells: list[dict[str, Any]], out: Path, stem: str) -> None:
     if scaled:
         fig, ax = plt.subplots(figsize=(8, 4))
         for c in scaled:
-            pts = c["replicas_over_time"]
+            pts = list(c["replicas_over_time"])
+            pts.append((c["end_time_s"], *pts[-1][1:]))  # changes only: hold to the end
             ax.step([p[0] for p in pts], [p[1] + p[2] for p in pts], where="post",
                     lw=2.5 if c["autoscaler"] == OURS else 1,
                     label=c.get("label") or c["autoscaler"])

@@ -66,4 +66,5 @@ def test_iterserve_autoscaler_keeps_decide_state_between_ticks():
     p = IterserveAutoscaler(AutoscaleConfig(max_replicas=10, upscale_delay_s=2.0))
     assert p.desired_replicas(sctx(0, 2, waiting=10)) == 2
     assert p.last_reason == "overloaded-waiting"
-    assert p.desired_replicas(sctx(2.5, 2, waiting=10)) == 4
+    # mean waiting 10 vs target 2: pressure 5, so 2 replicas become 10 in one step
+    assert p.desired_replicas(sctx(2.5, 2, waiting=10)) == 10
