@@ -19,7 +19,10 @@ Routers are any `RoutingPolicy` (one instance per ingress router; request i goes
 i mod len(routers); routers share nothing but the replicas' published stats). What the
 cluster does to them, as Ray Serve does:
 * routing stats: each replica's `ReplicaLoad` is published every routing_stats_period_s
-  (its own phase); routers see that, plus their own in-flight corrections (`ReplicaView`);
+  (its own phase); routers see that, plus their own in-flight corrections and in-flight
+  counts (`ReplicaView.correction`, `.ongoing`, as `InFlightTracker` would give them);
+  `ReplicaView.cached_prefix_tokens` asks the replica's prefix cache as it is now (the
+  real path would answer from the block hashes of its last stats report);
 * max_ongoing_requests: a replica with that many requests in flight is not offered; when
   none is free the request waits at its router and is retried as soon as one frees up;
 * autoscaling: replicas push (kv_usage, num_waiting, num_running) every
@@ -89,24 +92,37 @@ class RouterState:
     ongoing: dict[str, int] = field(default_factory=dict)
     committed: dict[str, int] = field(default_factory=dict)  # prompt + max_tokens in flight
     unseen: dict[str, dict[str, int]] = field(default_factory=dict)  # sent after the stats
+    unseen_tokens: dict[str, int] = field(default_factory=dict)
+    views: dict[str, ReplicaView] = field(default_factory=dict)  # valid until a change
 
     def correction(self, replica_id: str) -> Correction:
         """What `InFlightTracker.corrections` gives for this replica, kept incrementally."""
         unseen = self.unseen.get(replica_id)
-        if not unseen and not self.committed.get(replica_id):
+        committed = self.committed.get(replica_id, 0)
+        if not unseen and not committed:
             return Correction(0)
-        return Correction(len(unseen or ()), sum(unseen.values()) if unseen else 0,
-                          self.committed.get(replica_id, 0))
+        return Correction(len(unseen or ()), self.unseen_tokens.get(replica_id, 0), committed)
 
     def routed(self, replica_id: str, request_id: str, tokens: int) -> None:
         self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
         self.committed[replica_id] = self.committed.get(replica_id, 0) + tokens
         self.unseen.setdefault(replica_id, {})[request_id] = tokens
+        self.unseen_tokens[replica_id] = self.unseen_tokens.get(replica_id, 0) + tokens
+        self.views.pop(replica_id, None)
 
     def completed(self, replica_id: str, request_id: str, tokens: int) -> None:
         self.ongoing[replica_id] -= 1
         self.committed[replica_id] -= tokens
-        self.unseen.get(replica_id, {}).pop(request_id, None)
+        unseen = self.unseen.get(replica_id)
+        if unseen and request_id in unseen:
+            self.unseen_tokens[replica_id] -= unseen.pop(request_id)
+        self.views.pop(replica_id, None)
+
+    def stats_published(self, replica_id: str) -> None:
+        """The replica's new stats reflect everything routed to it so far."""
+        self.unseen.pop(replica_id, None)
+        self.unseen_tokens.pop(replica_id, None)
+        self.views.pop(replica_id, None)
 
 
 class ClusterSim:
@@ -143,8 +159,7 @@ class ClusterSim:
         self._freed = False
         for _ in range(num_replicas):
             self._start_slot(ready_at=0.0)
-        for i, spec in enumerate(self.workload):
-            self._push(spec.arrival_time, ARRIVE, (i % len(routers), spec))
+        self._next_arrival = 0  # arrivals are read in order, not heaped (the heap stays small)
         if autoscaler is not None:
             self._push(config.autoscale_interval_s, TICK, None)
 
@@ -155,8 +170,18 @@ class ClusterSim:
     def run(self) -> SimResult:
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
                     PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready}
-        while self.events and self.num_open > 0:
-            t, _, kind, payload = heapq.heappop(self.events)
+        workload, events = self.workload, self.events
+        num_routers = len(self.routers)
+        while self.num_open > 0:
+            i = self._next_arrival
+            if i < len(workload) and (not events or workload[i].arrival_time <= events[0][0]):
+                t, kind, payload = workload[i].arrival_time, ARRIVE, (i % num_routers,
+                                                                      workload[i])
+                self._next_arrival = i + 1
+            elif events:
+                t, _, kind, payload = heapq.heappop(events)
+            else:
+                break
             if t > self.config.max_virtual_s:
                 break
             self.now = t
@@ -185,7 +210,7 @@ class ClusterSim:
         self._touch(slot)
         self.published[slot.replica_id] = slot.replica.load(self.now)
         for router in self.routers:
-            router.unseen.pop(slot.replica_id, None)
+            router.stats_published(slot.replica_id)
         self._schedule_wake(slot)
         self._push(self.now + self.config.routing_stats_period_s, POLL, slot)
 
@@ -220,9 +245,8 @@ class ClusterSim:
         free = [s for s in self.slots if s.state == RUNNING and s.ongoing < limit]
         if not free:
             return False
-        views = [ReplicaView(s.replica_id, self.published.get(s.replica_id),
-                             router.correction(s.replica_id), router.ongoing.get(s.replica_id, 0),
-                             s.replica.cached_prefix_tokens) for s in free]
+        cache = router.views
+        views = [cache.get(s.replica_id) or self._view(router, s) for s in free]
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
         ctx = RoutingContext(route, views, self.now, self.config.block_size)
@@ -245,6 +269,13 @@ class ClusterSim:
         router.policy.on_routed(route, slot.replica_id, self.now)
         self._schedule_wake(slot)
         return True
+
+    def _view(self, router: RouterState, slot: ReplicaSlot) -> ReplicaView:
+        rid = slot.replica_id
+        view = ReplicaView(rid, self.published.get(rid), router.correction(rid),
+                           router.ongoing.get(rid, 0), slot.replica.cached_prefix_tokens)
+        router.views[rid] = view
+        return view
 
     def _retry_queued(self) -> None:
         for router in self.routers:
@@ -329,6 +360,8 @@ class ClusterSim:
                              target_replicas=self.target, signals=signals,
                              queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
         desired = self.autoscaler.desired_replicas(ctx)
+        if desired < 1 and ctx.queued_at_handles > 0:
+            desired = 1  # Serve scales from zero as soon as a request waits at a handle
         if desired > self.target:
             for _ in range(desired - self.target):
                 self._start_slot(ready_at=self.now + self.config.startup_delay_s)
@@ -349,6 +382,8 @@ class ClusterSim:
                 continue
             slot.state = DRAINING
             self.published.pop(slot.replica_id, None)
+            for router in self.routers:
+                router.views.pop(slot.replica_id, None)
             if slot.ongoing == 0:
                 self._stop(slot)
         self._replicas_changed()

@@ -81,6 +81,7 @@ class SimReplica:
         self._next_seq = 0
         self._reduced: dict[int, SchedulerConfig] = {}
         self._admitted: list[Request] = []  # admitted by the last lazily scheduled step
+        self._prefilling: list[Request] = []  # running, not decodes (scheduler order)
         self._output_token: dict[str, int] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
 
@@ -169,14 +170,16 @@ class SimReplica:
         if n >= config.max_num_seqs or n >= config.max_num_batched_tokens:
             return None
         allocations = decodes.due(step, SCHEDULE_PHASE)
-        members = decodes.members
-        rest = [r for r in scheduler.running if r.request_id not in members]
+        rest = self._prefilling  # the running requests that are not decodes, in order
         if len(allocations) + self._blocks_for_prefills(rest, config.max_num_batched_tokens - n) \
                 > bm.num_free_blocks:
             return None  # a preemption is possible: the whole scheduler decides
         for _, member in allocations:
             member.request.num_computed_tokens = member.computed_after(step - 1)
             bm.allocate(member.request, 1)
+        if not rest and not scheduler.num_waiting:
+            self._admitted = []
+            return SchedulerOutput()  # schedule() would find nothing to do: skip the call
         everyone, num_rest = scheduler.running, len(rest)
         scheduler.running = rest
         scheduler.config = self._reduced_config(n)
@@ -232,20 +235,28 @@ class SimReplica:
         output = self._step
         if not self._step_is_full:
             self._update_decodes(step)
-        runner_output = RunnerOutput()
-        tokens = runner_output.sampled_token_ids
-        for scheduled in output.scheduled:
-            if scheduled.samples:
-                rid = scheduled.request.request_id
-                tokens[rid] = self._output_token[rid]
-        for request in self.scheduler.update(output, runner_output):
-            if request.is_finished:
-                self._forget(request)
-        for request in output.preempted:
-            self._seq.pop(request.request_id, None)
+        if output.scheduled:
+            runner_output = RunnerOutput()
+            tokens = runner_output.sampled_token_ids
+            for scheduled in output.scheduled:
+                if scheduled.samples:
+                    rid = scheduled.request.request_id
+                    tokens[rid] = self._output_token[rid]
+            for request in self.scheduler.update(output, runner_output):
+                if request.is_finished:
+                    self._forget(request)
+            for request in output.preempted:
+                self._seq.pop(request.request_id, None)
+        elif not self._step_is_full:
+            return  # only decodes ran: nothing can have joined them
         if self.lazy:
-            self._join_decodes(step, self.scheduler.running if self._step_is_full
+            running = self.scheduler.running
+            self._join_decodes(step, running if self._step_is_full
                                else [s.request for s in output.scheduled])
+            members = self.decodes.members
+            self._prefilling = [r for r in (running if self._step_is_full else self._prefilling)
+                                if r.status == RequestStatus.RUNNING
+                                and r.request_id not in members]
 
     def _update_decodes(self, step: int) -> None:
         decodes, bm = self.decodes, self.block_manager

@@ -11,13 +11,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
+from collections.abc import Hashable, Sequence
 
 from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_policies import IterserveRouter
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig
+from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 from iterserve.loadtests.cluster_workloads import make
+
+
+class RoundRobin:
+    """The cheapest router: isolates the simulator's own cost from the router's."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
+        self._next += 1
+        return ctx.replicas[self._next % len(ctx.replicas)].replica_id
+
+    def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None: ...
+    def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None: ...
+    def on_replicas_changed(self, replica_ids: Sequence[Hashable]) -> None: ...
+
+
+ROUTERS = {"iterserve": IterserveRouter, "round-robin": RoundRobin}
 
 
 def replica_capacity(workload: str, config: ClusterSimConfig, seed: int = 0,
@@ -35,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--workload", default="steady")
     parser.add_argument("--routers", type=int, default=2)
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve")
     parser.add_argument("--capacity", type=float, default=None,
                         help="requests/s per replica (default: measure it first)")
     parser.add_argument("--no-fast-forward", action="store_true")
@@ -45,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     workload = make(args.workload, rate, args.duration)
     t1, c1 = time.perf_counter(), time.process_time()
-    result = simulate(workload, [IterserveRouter() for _ in range(args.routers)],
+    result = simulate(workload, [ROUTERS[args.router]() for _ in range(args.routers)],
                       args.replicas, config)
     t2, c2 = time.perf_counter(), time.process_time()
-    print(json.dumps({"replicas": args.replicas, "virtual_s": args.duration,
+    print(json.dumps({"router": args.router, "replicas": args.replicas, "virtual_s": args.duration,
                       "load": args.load, "capacity_req_s_per_replica": capacity,
                       "rate_req_s": rate, "requests": len(workload),
                       "workload_wall_s": t1 - t0, "simulate_wall_s": t2 - t1,

@@ -11,11 +11,10 @@ holds, then bisects down to the fewest that meet it, and prints every point it t
 --gpu names a preset (h100, h200: Llama-3-8B bf16, published figures) or a JSON file of
 `CostModel` / `SimulatorConfig` fields, e.g. {"preset": "h100", "a_s": 0.0061, ...}.
 
-Measured coefficients: run the step probe on the GPU (`python -m
-iterserve.loadtests.engine_step_probe`, or time engine steps with `iterserve.replica.
-bench_gpu`), collect (prefill_tokens, decode_seqs, kv_tokens_read, step_seconds) per step,
-and fit them with `CostModel.fit(samples)` (least squares; at least 4 varied steps);
-write the fitted fields to the JSON file passed as --gpu.
+Measured coefficients: on the GPU, `python -m iterserve.loadtests.cost_model_probe --model
+DIR --device cuda --out gpu.json` times every engine step, fits `CostModel.fit(samples)`
+(least squares over (prefill_tokens, decode_seqs, kv_tokens_read, seconds) per step) and
+writes the JSON to pass as --gpu gpu.json.
 """
 
 from __future__ import annotations

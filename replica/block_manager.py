@@ -17,7 +17,7 @@ from iterserve.replica.request import Request
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -97,16 +97,16 @@ class BlockManager:
             return
         block_size = self.block_size
         tokens = self._token_range(request, start * block_size, end * block_size)
-        cached = self.cached_blocks
+        cached, blocks = self.cached_blocks, self.blocks
+        offset = 0
         for i in range(start, end):
-            offset = (i - start) * block_size
             key = (parent, tuple(tokens[offset : offset + block_size]))
-            block = self.blocks[table[i]]
+            offset += block_size
+            block = blocks[table[i]]
             # An identical block may already be cached (two requests computed the same prefix
             # at once); the first one stays the cache entry and this one stays private.
-            if block.key is None and key not in cached:
+            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
                 block.key = key
-                cached[key] = block.block_id
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 

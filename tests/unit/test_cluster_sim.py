@@ -100,7 +100,7 @@ def test_router_corrections_match_inflight_tracker() -> None:
         else:  # a stats poll of one replica
             rid = rng.choice("ab")
             loads[rid] = ReplicaLoad(0.1, 0, 0, 10, 10, 0.0, timestamp=now)
-            state.unseen.pop(rid, None)
+            state.stats_published(rid)
         expected = tracker.corrections(loads)
         for rid in "ab":
             got = state.correction(rid)
@@ -162,3 +162,43 @@ def test_percentile_is_numpy_linear() -> None:
     expanded = [0.1] * 5 + [0.2] + [0.5] * 3
     for q in (0, 10, 50, 60, 99, 100):
         assert percentile_of_counts(counts, q) == pytest.approx(float(np.percentile(expanded, q)))
+
+
+def test_results_do_not_depend_on_the_process_hash_seed() -> None:
+    """Byte-identical across processes (Python salts str hashes per process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import hashlib\n"
+        "from iterserve.autoscale.cluster_sim import simulate\n"
+        "from iterserve.autoscale.cluster_sim_policies import IterserveRouter\n"
+        "from iterserve.autoscale.cluster_sim_types import ClusterSimConfig\n"
+        "from iterserve.loadtests.cluster_workloads import make\n"
+        "r = simulate(make('multi-turn', 10.0, 20.0), [IterserveRouter(), IterserveRouter()],"
+        " 2, ClusterSimConfig(num_blocks=2000))\n"
+        "print(hashlib.sha256(r.to_json().encode()).hexdigest())\n")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True, env={"PYTHONHASHSEED": seed}).stdout
+               for seed in ("1", "2")}
+    assert len(digests) == 1
+
+
+def test_a_request_that_can_never_fit_is_rejected_and_the_rest_finish() -> None:
+    workload = make_workload(20, rate=10.0, num_prefixes=0)
+    too_long = SimRequest("huge", 0.5, tuple(range(100, 3100)), 10)  # > max_model_len 2048
+    result = simulate(sorted(workload + [too_long], key=lambda r: r.arrival_time),
+                      [IterserveRouter()], 1, SMALL)
+    huge = next(r for r in result.records if r.request_id == "huge")
+    assert huge.replica is None and huge.first_token is None
+    assert result.num_finished == 20
+
+
+def test_scale_from_zero_when_requests_wait() -> None:
+    quiet_then_busy = make_workload(20, rate=0.05, num_prefixes=0, output=(8, 16))
+    config = ClusterSimConfig(**{**SMALL.__dict__, "startup_delay_s": 1.0})
+    scaler = IterserveAutoscaler(AutoscaleConfig(min_replicas=0, max_replicas=2,
+                                                 downscale_delay_s=1.0))
+    result = simulate(quiet_then_busy, [IterserveRouter()], 1, config, scaler)
+    assert result.num_finished == 20
+    assert min(running for _, running, _, _ in result.replicas_over_time) == 0

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SyntheticPrompt
 from iterserve.loadtests.cluster_trace import read_trace, trace_rows, write_trace
 from iterserve.loadtests.cluster_workloads import WORKLOADS, make
+from iterserve.loadtests.cost_model_probe import timed_runner
 from iterserve.loadtests.plan import Slo, main, plan
+from iterserve.replica.outputs import ScheduledRequest, SchedulerOutput
+from iterserve.replica.request import Request
+from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.sim_runner import CostModel, SimulatedRunner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "example_multi_turn.jsonl"
 
@@ -105,3 +112,35 @@ def test_plan_finds_the_knee_on_a_tiny_case(capsys: pytest.CaptureFixture[str]) 
     assert met[best] and not met.get(best - 1, False)
     assert main(["--trace", str(EXAMPLE), "--slo", "ttft_p99=1", "--max-replicas", "4"]) == 0
     assert "fewest replicas meeting the SLO" in capsys.readouterr().out
+
+
+def test_cost_model_fit_recovers_coefficients_from_timed_steps() -> None:
+    """The probe's path: steps timed around runner.execute, then CostModel.fit. The
+    'measured' time here is a known cost model's, so the fit must recover it exactly."""
+    truth = CostModel(a_s=0.005, b_s_per_prefill_token=2e-5, c_s_per_decode_seq=3e-5,
+                      d_s_per_kv_token=4e-8)
+    clock = [0.0]
+
+    class Runner:
+        def execute(self, out: SchedulerOutput) -> None:
+            clock[0] += truth.step_time(*SimulatedRunner.batch_shape(out))
+
+    engine = SimpleNamespace(runner=Runner())
+    samples: list = []
+    timed_runner(engine, samples, timer=lambda: clock[0])
+    rng = random.Random(0)
+    for _ in range(40):
+        out = SchedulerOutput()
+        for j in range(rng.randint(1, 8)):
+            n_prompt = rng.randint(2, 500)
+            request = Request(f"q{j}", [1] * n_prompt, SamplingParams(max_tokens=4), 0.0)
+            if rng.random() < 0.5:  # a decode: its prompt is computed, one token sampled
+                request.output_token_ids.append(1)
+                out.scheduled.append(ScheduledRequest(request, n_prompt, 1, []))
+            else:
+                out.scheduled.append(ScheduledRequest(request, 0, n_prompt, []))
+        engine.runner.execute(out)
+    assert len(samples) == 40
+    fitted = CostModel.fit(samples)
+    for name in ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
