@@ -23,6 +23,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve import Application
 
+from iterserve.dashboards.metrics import DEFAULT_PREFIX
+from iterserve.dashboards.metrics import PREFIXES as METRIC_PREFIXES
 from iterserve.deploy.engine_info import resolve_model_path
 from iterserve.deploy.ingress import OpenAIIngress
 from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, LLMReplica, replica_actor_options
@@ -101,6 +103,8 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     model_aliases: list[str] = Field(default_factory=list)
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    # Metric names: iterserve's, vLLM's exact names (vllm:), or lint-clean (iterserve_).
+    metrics_prefix: str = DEFAULT_PREFIX
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +132,13 @@ class AppArgs(BaseModel):
             value = int(value)
         if value < 1:
             raise ValueError(f"num_replicas must be >= 1, got {value}")
+        return value
+
+    @field_validator("metrics_prefix")
+    @classmethod
+    def _known_prefix(cls, value: str) -> str:
+        if value not in METRIC_PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {METRIC_PREFIXES}, got {value!r}")
         return value
 
     def engine_config(self) -> EngineConfig:
@@ -172,7 +183,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     }
     replica_options.update(routing_and_scaling_options(app_args))
     replica = LLMReplica.options(**replica_options).bind(
-        app_args.model, app_args.engine_kwargs, app_args.drain_timeout_s)
+        app_args.model, app_args.engine_kwargs, app_args.drain_timeout_s,
+        app_args.metrics_prefix)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas).bind(
         replica,
         api_keys=tuple(app_args.api_keys),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from iterserve.dashboards.metrics import PREFIXES as METRIC_PREFIXES
 from iterserve.replica.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, SCHEDULER_POLICIES
 
 logger = logging.getLogger("iterserve.serve")
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="request body limit (413 beyond it)")
     parser.add_argument("--drain-timeout-s", type=float, default=None)
+    parser.add_argument("--metrics-prefix", default=None,
+                        choices=METRIC_PREFIXES,
+                        help="metric names: iterserve's (default iterserve:), vLLM's exact "
+                             "names (vllm:), or promtool-clean (iterserve_)")
     parser.add_argument("--address", default=None,
                         help="Ray address to join (e.g. auto, ray://head:10001); "
                              "default: start an embedded local Ray")
@@ -153,6 +158,8 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
         app["max_body_bytes"] = args.max_body_bytes
     if args.drain_timeout_s is not None:
         app["drain_timeout_s"] = args.drain_timeout_s
+    if args.metrics_prefix is not None:
+        app["metrics_prefix"] = args.metrics_prefix
     return app
 
 

@@ -53,14 +53,15 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
+def _install_stat_logger(engine: Any, replica_id: str, metrics_prefix: str | None) -> Any | None:
     """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
     try:
-        from iterserve.dashboards.metrics import PrometheusStatLogger
+        from iterserve.dashboards.metrics import DEFAULT_PREFIX, PrometheusStatLogger
     except ImportError:
         logger.warning("iterserve.dashboards.metrics unavailable: engine metrics are off")
         return None
-    stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id)
+    stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id,
+                                       prefix=metrics_prefix or DEFAULT_PREFIX)
     engine.add_stat_logger(stat_logger)
     return stat_logger
 
@@ -77,13 +78,14 @@ class LLMReplica:
 
     async def __init__(self, model: str | None = None,
                        engine_kwargs: dict[str, Any] | None = None,
-                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                       metrics_prefix: str | None = None) -> None:
         from iterserve.replica import AsyncLLMEngine, EngineConfig
 
         config = EngineConfig.from_kwargs(model=model, **(engine_kwargs or {}))
         self.engine = AsyncLLMEngine(config)
         self._replica_id = self._current_replica_id()
-        self._stat_logger = _install_stat_logger(self.engine, self._replica_id)
+        self._stat_logger = _install_stat_logger(self.engine, self._replica_id, metrics_prefix)
         self._drain_timeout_s = drain_timeout_s
         self._num_requests = 0
         self._num_cancelled = 0  # streams closed before their end (disconnects)
