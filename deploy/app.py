@@ -27,9 +27,15 @@ from iterserve.dashboards.metrics import DEFAULT_PREFIX
 from iterserve.dashboards.metrics import PREFIXES as METRIC_PREFIXES
 from iterserve.deploy.engine_info import resolve_model_path
 from iterserve.deploy.ingress import OpenAIIngress
-from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, LLMReplica, replica_actor_options
+from iterserve.deploy.replica import (
+    SHUTDOWN_SLACK_S,
+    LLMReplica,
+    drain_timeout_for,
+    replica_actor_options,
+)
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
 from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.replica.loader import read_model_config
 
 APP_NAME = "iterserve"
 
@@ -97,12 +103,16 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(256, ge=1)  # per LLMReplica
     num_gpus_per_replica: float | None = None  # None: 1 if the cluster has GPUs, else 0
     num_cpus_per_replica: float | None = None
+    # At most this many LLMReplicas per node (1: a lost node takes one replica with it).
+    max_replicas_per_node: int | None = Field(None, ge=1)
     num_ingress_replicas: int = Field(1, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_key_file: str | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     model_aliases: list[str] = Field(default_factory=list)
-    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    # How long a stopping replica lets in-flight streams finish; None: long enough for the
+    # longest allowed generation (`drain_timeout_for(max_model_len)`).
+    drain_timeout_s: float | None = Field(None, ge=0)
     # Metric names: iterserve's, vLLM's exact names (vllm:), or lint-clean (iterserve_).
     metrics_prefix: str = DEFAULT_PREFIX
 
@@ -145,6 +155,15 @@ class AppArgs(BaseModel):
         """Validates the engine settings now (raises ValueError), without loading a model."""
         return EngineConfig.from_kwargs(model=self.model, **self.engine_kwargs)
 
+    def resolved_drain_timeout_s(self) -> float:
+        if self.drain_timeout_s is not None:
+            return self.drain_timeout_s
+        config = self.engine_config()
+        max_model_len = config.scheduler.max_model_len
+        if max_model_len is None:  # the model's own context length
+            max_model_len = read_model_config(Path(resolve_model_path(config))).max_position_embeddings
+        return drain_timeout_for(max_model_len)
+
 
 def routing_and_scaling_options(app_args: AppArgs) -> dict[str, Any]:
     """LLMReplica's request router and, with num_replicas="auto", its autoscaling policy."""
@@ -174,17 +193,19 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """The iterserve application: OpenAIIngress -> LLMReplica x num_replicas."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     app_args.engine_config()
+    drain_timeout_s = app_args.resolved_drain_timeout_s()
     replica_options: dict[str, Any] = {
         "num_replicas": app_args.num_replicas,
         "max_ongoing_requests": app_args.max_ongoing_requests,
         "ray_actor_options": replica_actor_options(app_args.num_gpus_per_replica,
                                                    app_args.num_cpus_per_replica),
-        "graceful_shutdown_timeout_s": app_args.drain_timeout_s + 5,
+        "graceful_shutdown_timeout_s": drain_timeout_s + SHUTDOWN_SLACK_S,
     }
+    if app_args.max_replicas_per_node is not None:
+        replica_options["max_replicas_per_node"] = app_args.max_replicas_per_node
     replica_options.update(routing_and_scaling_options(app_args))
     replica = LLMReplica.options(**replica_options).bind(
-        app_args.model, app_args.engine_kwargs, app_args.drain_timeout_s,
-        app_args.metrics_prefix)
+        app_args.model, app_args.engine_kwargs, drain_timeout_s, app_args.metrics_prefix)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas).bind(
         replica,
         api_keys=tuple(app_args.api_keys),

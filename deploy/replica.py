@@ -30,6 +30,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMReplica", "load_signals", "replica_actor_options"]
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The slowest per-stream decode a loaded replica is expected to run (20 tokens/s): a drain
+# that lets a max_model_len generation finish at this pace drops no stream.
+DRAIN_SECONDS_PER_TOKEN = 0.05
+SHUTDOWN_SLACK_S = 5.0  # Serve's timeout beyond the drain: the engine's own shutdown
+
+
+def drain_timeout_for(max_model_len: int) -> float:
+    """A drain covering the longest allowed generation. Serve's graceful_shutdown_timeout_s
+    (default 20 s) would cut a long stream short on every scale-down and redeploy."""
+    return max(DEFAULT_DRAIN_TIMEOUT_S, max_model_len * DRAIN_SECONDS_PER_TOKEN)
 
 
 def replica_actor_options(num_gpus: float | None = None, num_cpus: float | None = None
