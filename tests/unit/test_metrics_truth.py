@@ -140,3 +140,26 @@ def test_dashboard_queries_follow_the_prefix() -> None:
         "+ iterserve:num_out_of_blocks_total + vllm:num_requests_running")
     text = str(build_dashboard(m.VLLM_PREFIX))
     assert "vllm:kv_cache_usage_perc" in text and "iterserve:kv_cache_usage_perc" not in text
+
+
+def test_a_failed_request_is_counted_once_under_error(monkeypatch: object) -> None:
+    registry = CollectorRegistry()
+    engine = LLMEngine(EngineConfig.from_kwargs(**SIM))
+    engine.add_stat_logger(m.PrometheusStatLogger("sim", "r3", registry=registry))
+    detokenize = engine._detokenize
+
+    def faulty(request: object, runner_output: object) -> object:
+        if request.request_id == "bad":  # type: ignore[attr-defined]
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return detokenize(request, runner_output)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_detokenize", faulty)  # type: ignore[attr-defined]
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), "bad")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), "good")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.abort_request("bad")  # the client leaves after the error: not counted again
+    engine.log_idle_stats()
+    assert engine.finished_by_reason == {"stop": 0, "length": 1, "abort": 0, "error": 1}
+    assert registry.get_sample_value("iterserve:request_success_total", {
+        "model_name": "sim", "replica": "r3", "finished_reason": "error"}) == 1
