@@ -163,3 +163,16 @@ def test_a_failed_request_is_counted_once_under_error(monkeypatch: object) -> No
     assert engine.finished_by_reason == {"stop": 0, "length": 1, "abort": 0, "error": 1}
     assert registry.get_sample_value("iterserve:request_success_total", {
         "model_name": "sim", "replica": "r3", "finished_reason": "error"}) == 1
+
+
+def test_metrics_prefix_flag_reaches_the_app_args() -> None:
+    import pytest
+
+    from iterserve.deploy.app import AppArgs
+    from iterserve.deploy.cli_serve import app_args_from, build_parser
+
+    args = build_parser().parse_args(["--metrics-prefix", "vllm:"])
+    assert AppArgs.model_validate(app_args_from(args)).metrics_prefix == "vllm:"
+    assert AppArgs().metrics_prefix == m.DEFAULT_PREFIX
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        AppArgs(metrics_prefix="sglang:")
