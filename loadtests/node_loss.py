@@ -214,9 +214,11 @@ def _report(load: StreamingLoad, sampler: Sampler, timeline: Timeline, load_star
         "complete": load.completed(),
         "in_flight_at_kill": in_flight,
         "in_flight_failed": len(failed_in_flight),
+        # an SSE error event's payload (chaos.run_request keeps it as the error); a cut
+        # connection or a client timeout reads "RemoteProtocolError: ..." / "client timeout"
         "in_flight_failed_with_sse_error": sum(1 for o in failed_in_flight
                                                if o.status == 200 and o.error
-                                               and o.done),
+                                               and o.error.startswith("{")),
         "in_flight_error_after_kill_s": sorted(error_times),
         "started_after_kill": after,
         "started_after_kill_failed": len(failed_after),
