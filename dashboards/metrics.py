@@ -30,7 +30,7 @@ and from the ingress: ``metrics_text()`` for GET /metrics (content type `CONTENT
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry
 
@@ -71,7 +71,9 @@ __all__ = [
 
 METRIC_PREFIX = DEFAULT_PREFIX  # the name older callers import
 LINT_CLEAN_PREFIX = "iterserve_"  # promtool warns on ':' in names; this one it accepts
-PREFIXES = (DEFAULT_PREFIX, VLLM_PREFIX, LINT_CLEAN_PREFIX)  # the --metrics-prefix choices
+# The --metrics-prefix choices (the default, vLLM's names, lint-clean), declared once.
+MetricPrefix = Literal["iterserve:", "vllm:", "iterserve_"]
+PREFIXES: tuple[str, ...] = get_args(MetricPrefix)
 
 LABEL_MODEL = "model_name"
 LABEL_FINISHED_REASON = "finished_reason"

@@ -22,9 +22,9 @@ from iterserve.replica.config import EngineConfig
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
-from iterserve.replica.make_model import default_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
@@ -50,18 +50,9 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        model_path = Path(config.model) if config.model else default_model_path()
+        config = resolve_engine_config(config)  # unchanged when the deployment resolved it
+        model_path = Path(config.model)
         model_config = read_model_config(model_path)
-        # Sliding-window attention is not implemented, so the window bounds the context.
-        model_max_len = min(model_config.max_position_embeddings,
-                            model_config.sliding_window or model_config.max_position_embeddings)
-        config = dataclasses.replace(
-            config,
-            model=str(model_path),
-            served_model_name=config.served_model_name or model_path.name,
-            scheduler=config.scheduler.resolved(model_max_len),
-        )
-        model_config.verify_max_model_len(config.scheduler.max_model_len)
         self.config = config
         self.clock = clock
         self.model_name = config.served_model_name

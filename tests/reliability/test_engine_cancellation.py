@@ -23,7 +23,7 @@ import pytest
 
 from iterserve.replica import AsyncLLMEngine, EngineConfig, SamplingParams
 
-ENGINE = {"device": "cpu", "max_model_len": 128, "num_gpu_blocks_override": 32,
+ENGINE = {"model": "iterserve-tiny", "device": "cpu", "max_model_len": 128, "num_gpu_blocks_override": 32,
           "max_num_seqs": 4}
 
 
@@ -104,7 +104,7 @@ def _replica_outside_serve() -> Any:
 
     cls = LLMReplica.func_or_class
     replica = cls.__new__(cls)
-    asyncio.run(replica.__init__(None, dict(ENGINE)))
+    asyncio.run(replica.__init__(EngineConfig.from_kwargs(**ENGINE)))
     return replica
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.deploy.app import AppArgs, build_app
+from iterserve.deploy.app import build_app
+from iterserve.deploy.settings import resolve_app
 from iterserve.deploy.replica import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_SECONDS_PER_TOKEN,
@@ -22,9 +23,10 @@ def test_drain_grows_with_the_context() -> None:
 
 
 def test_app_derives_the_drain_unless_configured() -> None:
-    assert AppArgs(engine_kwargs={"max_model_len": 8192, "runner": "simulated"}
-                   ).resolved_drain_timeout_s() == drain_timeout_for(8192)
-    assert AppArgs(drain_timeout_s=7).resolved_drain_timeout_s() == 7
+    assert resolve_app({"engine_kwargs": {"max_model_len": 8192, "runner": "simulated"}}
+                       ).drain_timeout_s == drain_timeout_for(8192)
+    assert resolve_app({"drain_timeout_s": 7}).drain_timeout_s == 7
+    assert resolve_app({}).drain_timeout_s >= DEFAULT_DRAIN_TIMEOUT_S  # the model's context
 
 
 def test_serve_waits_for_the_drain() -> None:
@@ -33,4 +35,4 @@ def test_serve_waits_for_the_drain() -> None:
                    )._bound_deployment  # the LLMReplica the ingress is bound to
     config = replica._deployment_config
     assert config.graceful_shutdown_timeout_s == drain_timeout_for(8192) + SHUTDOWN_SLACK_S
-    assert replica.init_args[2] == drain_timeout_for(8192)
+    assert replica.init_args[1] == drain_timeout_for(8192)
