@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from iterserve.deploy.app import build_app
-from iterserve.deploy.settings import resolve_app
 from iterserve.deploy.replica import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_SECONDS_PER_TOKEN,
     SHUTDOWN_SLACK_S,
     drain_timeout_for,
 )
+from iterserve.deploy.settings import resolve_app
 
 SERVE_DEFAULT_GRACEFUL_SHUTDOWN_S = 20.0
 
