@@ -54,9 +54,10 @@ def _field_config(panel: Panel) -> dict[str, Any]:
     return {"defaults": defaults, "overrides": []}
 
 
-def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+def _panel_json(panel: Panel, panel_id: int, x: int, y: int, prefix: str) -> dict[str, Any]:
     targets = [
-        {"refId": _REF_IDS[index], "expr": target.expr, "legendFormat": target.legend,
+        {"refId": _REF_IDS[index], "expr": metrics.translate_query(target.expr, prefix),
+         "legendFormat": target.legend,
          "range": True, "datasource": _DATASOURCE_REF}
         for index, target in enumerate(panel.targets)
     ]
@@ -77,7 +78,7 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
     }
 
 
-def _layout(rows: tuple[Row, ...]) -> list[dict[str, Any]]:
+def _layout(rows: tuple[Row, ...], prefix: str) -> list[dict[str, Any]]:
     """Rows of panels packed left to right on Grafana's 24-column grid."""
     panels: list[dict[str, Any]] = []
     next_id, y = 1, 0
@@ -89,7 +90,7 @@ def _layout(rows: tuple[Row, ...]) -> list[dict[str, Any]]:
         for panel in row.panels:
             if x + panel.width > GRID_WIDTH:
                 x, y, line_height = 0, y + line_height, 0
-            panels.append(_panel_json(panel, next_id, x, y))
+            panels.append(_panel_json(panel, next_id, x, y, prefix))
             next_id += 1
             x += panel.width
             line_height = max(line_height, panel.height)
@@ -97,8 +98,9 @@ def _layout(rows: tuple[Row, ...]) -> list[dict[str, Any]]:
     return panels
 
 
-def _templating() -> dict[str, Any]:
-    model_query = f"label_values({metrics.metric_name(metrics.NUM_REQUESTS_RUNNING)}, model_name)"
+def _templating(prefix: str) -> dict[str, Any]:
+    running = metrics.metric_name(metrics.NUM_REQUESTS_RUNNING, prefix=prefix)
+    model_query = f"label_values({running}, model_name)"
     return {"list": [
         {"name": DATASOURCE_VARIABLE, "label": "Datasource", "type": "datasource",
          "query": "prometheus", "current": {}, "hide": 0, "refresh": 1},
@@ -109,8 +111,9 @@ def _templating() -> dict[str, Any]:
     ]}
 
 
-def build_dashboard() -> dict[str, Any]:
-    """The Grafana dashboard model (schemaVersion 39), ready for provisioning or the API."""
+def build_dashboard(prefix: str = metrics.DEFAULT_PREFIX) -> dict[str, Any]:
+    """The Grafana dashboard model (schemaVersion 39), ready for provisioning or the API;
+    `prefix`: the replicas' --metrics-prefix (the queries use those names)."""
     return {
         "uid": DASHBOARD_UID,
         "title": DASHBOARD_TITLE,
@@ -124,25 +127,26 @@ def build_dashboard() -> dict[str, Any]:
         "refresh": "5s",
         "time": {"from": "now-30m", "to": "now"},
         "annotations": {"list": []},
-        "templating": _templating(),
-        "panels": _layout(ROWS),
+        "templating": _templating(prefix),
+        "panels": _layout(ROWS, prefix),
     }
 
 
-def dashboard_json() -> str:
-    return json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n"
+def dashboard_json(prefix: str = metrics.DEFAULT_PREFIX) -> str:
+    return json.dumps(build_dashboard(prefix), indent=2, sort_keys=True) + "\n"
 
 
-def generated_files() -> dict[Path, str]:
+def generated_files(prefix: str = metrics.DEFAULT_PREFIX) -> dict[Path, str]:
     """Every generated file (path relative to dashboards/) and its expected content."""
-    files = {Path(DASHBOARD_FILE): dashboard_json()}
+    files = {Path(DASHBOARD_FILE): dashboard_json(prefix)}
     files.update(provisioning.generated_files())
     return files
 
 
-def write_generated(root: Path = PACKAGE_DIR) -> list[Path]:
+def write_generated(root: Path = PACKAGE_DIR,
+                    prefix: str = metrics.DEFAULT_PREFIX) -> list[Path]:
     written = []
-    for relative, content in generated_files().items():
+    for relative, content in generated_files(prefix).items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
@@ -160,13 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if a generated file is stale")
     parser.add_argument("--out", type=Path, default=PACKAGE_DIR, help="folder to write into")
+    parser.add_argument("--metrics-prefix", choices=metrics.PREFIXES, default=metrics.DEFAULT_PREFIX,
+                        help="the replicas' --metrics-prefix; the dashboard queries those names")
     args = parser.parse_args(argv)
+    if args.metrics_prefix != metrics.DEFAULT_PREFIX and args.out == PACKAGE_DIR:
+        parser.error("--metrics-prefix other than the default needs --out (the files in the "
+                     "package are generated for the default names)")
     if args.check:
         stale = stale_files(args.out)
         for path in stale:
             print(f"stale: {path} (run python -m iterserve.dashboards.grafana)", file=sys.stderr)
         return 1 if stale else 0
-    for path in write_generated(args.out):
+    for path in write_generated(args.out, args.metrics_prefix):
         print(f"wrote {path}")
     return 0
 

@@ -5,12 +5,19 @@ prefix, with vLLM's bucket edges, so dashboards and alerts written for vLLM tran
 prefix swap. Labels are ``model_name`` and ``replica`` (plus ``finished_reason`` on
 request_success); never a request id.
 
-Two deliberate differences from vLLM, both for `promtool check metrics`:
-* the per-iteration token histogram is ``iterserve:iteration_tokens`` (vLLM:
-  ``iteration_tokens_total``), because promtool rejects ``_total`` on a non-counter;
-* promtool still reports "metric names should not contain ':'" for every name, as it does
-  for vLLM's. Changing `METRIC_PREFIX` to ``iterserve_`` makes the output lint-clean; the
-  dashboard, configs and tests all derive from this constant.
+`--metrics-prefix vllm:` (the `prefix` argument) gives every metric vLLM also has vLLM's
+exact name and label set (``model_name``, ``engine``="0", plus ``replica``), so dashboards,
+KEDA scalers and llm-d's endpoint picker written for vLLM work unchanged; iterserve's own
+metrics (out-of-blocks, router, autoscaler) keep the ``iterserve:`` prefix then. The one
+name that differs between the two: the per-iteration token histogram is
+``iterserve:iteration_tokens`` (promtool rejects ``_total`` on a non-counter) and
+``vllm:iteration_tokens_total`` under vLLM's names. promtool reports "metric names should not
+contain ':'" for every name, as it does for vLLM's; ``--metrics-prefix iterserve_`` gives
+lint-clean output.
+
+Gauges are set after every engine step and on the engine's idle tick (every
+`replica/async_engine.py` IDLE_WAIT_S), so an idle replica's gauges are never stale; every
+request that ends (stop, length, abort, error) is counted once in ``request_success``.
 
 Use from the engine side::
 
@@ -22,12 +29,18 @@ and from the ingress: ``metrics_text()`` for GET /metrics (content type `CONTENT
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry
 
 from iterserve.dashboards.sinks import (
     CONTENT_TYPE,
+    DEFAULT_PREFIX,
+    LABEL_REPLICA,
+    VLLM_ENGINE_INDEX,
+    VLLM_ENGINE_LABEL,
+    VLLM_PREFIX,
     MetricSink,
     MetricSpec,
     get_sink,
@@ -43,22 +56,29 @@ if TYPE_CHECKING:  # plain records; importing them at run time would pull in the
 
 __all__ = [
     "CONTENT_TYPE",
+    "DEFAULT_PREFIX",
     "METRIC_PREFIX",
+    "VLLM_PREFIX",
     "ALL_METRICS",
     "AutoscalerMetrics",
     "PrometheusStatLogger",
     "RouterMetrics",
     "metric_name",
     "metrics_text",
+    "translate_query",
     "prepare_multiprocess_dir",
 ]
 
-METRIC_PREFIX = "iterserve:"
+METRIC_PREFIX = DEFAULT_PREFIX  # the name older callers import
+LINT_CLEAN_PREFIX = "iterserve_"  # promtool warns on ':' in names; this one it accepts
+# The --metrics-prefix choices (the default, vLLM's names, lint-clean), declared once.
+MetricPrefix = Literal["iterserve:", "vllm:", "iterserve_"]
+PREFIXES: tuple[str, ...] = get_args(MetricPrefix)
 
 LABEL_MODEL = "model_name"
-LABEL_REPLICA = "replica"
 LABEL_FINISHED_REASON = "finished_reason"
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's FinishReason values, plus "error": a request that failed in the engine.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 _ENGINE_LABELS = (LABEL_MODEL, LABEL_REPLICA)
 
 # vLLM's bucket edges (seconds).
@@ -93,16 +113,20 @@ TOKEN_COUNT_BUCKETS = build_1_2_5_buckets(131072)
 
 
 def _gauge(key: str, doc: str, labels: tuple[str, ...] = _ENGINE_LABELS,
-           mode: str = "livemostrecent") -> MetricSpec:
-    return MetricSpec(key, "gauge", doc, labels, multiprocess_mode=mode)
+           mode: str = "livemostrecent", vllm: bool = True) -> MetricSpec:
+    return MetricSpec(key, "gauge", doc, labels, multiprocess_mode=mode,
+                      vllm_key=key if vllm else None)
 
 
-def _counter(key: str, doc: str, labels: tuple[str, ...] = _ENGINE_LABELS) -> MetricSpec:
-    return MetricSpec(key, "counter", doc, labels)
+def _counter(key: str, doc: str, labels: tuple[str, ...] = _ENGINE_LABELS,
+             vllm: bool = True) -> MetricSpec:
+    return MetricSpec(key, "counter", doc, labels, vllm_key=key if vllm else None)
 
 
-def _histogram(key: str, doc: str, buckets: tuple[float, ...]) -> MetricSpec:
-    return MetricSpec(key, "histogram", doc, _ENGINE_LABELS, buckets=buckets)
+def _histogram(key: str, doc: str, buckets: tuple[float, ...],
+               vllm_key: str | None = None) -> MetricSpec:
+    return MetricSpec(key, "histogram", doc, _ENGINE_LABELS, buckets=buckets,
+                      vllm_key=vllm_key or key)
 
 
 NUM_REQUESTS_RUNNING = _gauge("num_requests_running", "Number of requests in the running batch.")
@@ -112,7 +136,8 @@ KV_CACHE_USAGE_PERC = _gauge(
     "kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks, 1 means 100 percent.")
 NUM_PREEMPTIONS = _counter("num_preemptions", "Cumulative number of preemptions.")
 NUM_OUT_OF_BLOCKS = _counter(
-    "num_out_of_blocks", "Cumulative steps where a request could not get a KV block.")
+    "num_out_of_blocks", "Cumulative steps where a request could not get a KV block.",
+    vllm=False)
 PROMPT_TOKENS = _counter("prompt_tokens", "Number of prefill tokens processed.")
 GENERATION_TOKENS = _counter("generation_tokens", "Number of generation tokens processed.")
 PREFIX_CACHE_QUERIES = _counter(
@@ -122,7 +147,8 @@ REQUEST_SUCCESS = _counter(
     "request_success", "Count of finished requests by finish reason.",
     labels=(*_ENGINE_LABELS, LABEL_FINISHED_REASON))
 ITERATION_TOKENS = _histogram(
-    "iteration_tokens", "Histogram of tokens computed per engine step.", ITERATION_TOKEN_BUCKETS)
+    "iteration_tokens", "Histogram of tokens computed per engine step.", ITERATION_TOKEN_BUCKETS,
+    vllm_key="iteration_tokens_total")
 TIME_TO_FIRST_TOKEN = _histogram(
     "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
 INTER_TOKEN_LATENCY = _histogram(
@@ -149,10 +175,10 @@ REQUEST_GENERATION_TOKENS = _histogram(
     "request_generation_tokens", "Histogram of generated tokens per finished request.",
     TOKEN_COUNT_BUCKETS)
 ROUTER_DECISIONS = _counter(
-    "router_decisions", "Requests the router sent to each replica.")
+    "router_decisions", "Requests the router sent to each replica.", vllm=False)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
-    labels=(LABEL_MODEL,), mode="mostrecent")
+    labels=(LABEL_MODEL,), mode="mostrecent", vllm=False)
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC, NUM_PREEMPTIONS,
@@ -165,15 +191,30 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     *ENGINE_METRICS, ROUTER_DECISIONS, AUTOSCALER_TARGET_REPLICAS)
 
 
-def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = METRIC_PREFIX) -> str:
+def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = DEFAULT_PREFIX) -> str:
     """The stored series name: ``metric_name(TIME_TO_FIRST_TOKEN, "_bucket")``."""
     return spec.exposed_name(prefix) + suffix
+
+
+def translate_query(expr: str, prefix: str) -> str:
+    """A PromQL expression written with default names, rewritten for `prefix`'s names."""
+    if prefix == DEFAULT_PREFIX:
+        return expr
+    renames: list[tuple[str, str]] = []
+    for spec in ALL_METRICS:
+        for suffix in ("_bucket", "_count", "_sum", ""):
+            renames.append((metric_name(spec, suffix), metric_name(spec, suffix, prefix)))
+    # Longest first, so that ``x_bucket`` is renamed before its stem ``x``.
+    renames.sort(key=lambda pair: len(pair[0]), reverse=True)
+    pattern = re.compile("|".join(re.escape(old) + r"(?![a-z0-9_])" for old, _ in renames))
+    table = dict(renames)
+    return pattern.sub(lambda match: table[match.group(0)], expr)
 
 
 def metrics_text(registry: CollectorRegistry | None = None) -> bytes:
     """GET /metrics for the ingress: every process's iterserve metrics (multiprocess mode), or
     `registry` / the global registry in a single process."""
-    return _merged_metrics_text(registry, name_prefixes=(METRIC_PREFIX,))
+    return _merged_metrics_text(registry, name_prefixes=PREFIXES)
 
 
 class PrometheusStatLogger:
@@ -194,7 +235,9 @@ class PrometheusStatLogger:
         prefix: str = METRIC_PREFIX,
     ) -> None:
         self._sink: MetricSink = get_sink(prefix, registry, backend)
-        self._labels = {LABEL_MODEL: model_name, LABEL_REPLICA: str(replica_id)}
+        # vLLM's label set has `engine`; the sink keeps it only where vLLM's names are used.
+        self._labels = {LABEL_MODEL: model_name, LABEL_REPLICA: str(replica_id),
+                        VLLM_ENGINE_LABEL: VLLM_ENGINE_INDEX}
         self._last_preemptions = 0
         self._last_out_of_blocks = 0
         self._last_prefix_queries = 0

@@ -58,19 +58,21 @@ def embedded_config(target: str = DEFAULT_EMBEDDED_TARGET,
 
 def ray_cluster_config(service_discovery_file: str = RAY_SERVICE_DISCOVERY_FILE,
                        scrape_interval: str = SCRAPE_INTERVAL) -> dict[str, Any]:
-    ray_prefix = "ray_" + m.METRIC_PREFIX.replace(":", "_")
+    # Ray exports `iterserve:x` as `ray_iterserve_x` (and `vllm:x` as `ray_vllm_x`): rename
+    # back, so that one dashboard serves both setups.
+    renames = [{
+        "source_labels": ["__name__"],
+        "regex": "ray_" + prefix.replace(":", "_") + "(.+)",
+        "target_label": "__name__",
+        "replacement": f"{prefix}${{1}}",
+        "action": "replace",
+    } for prefix in (m.DEFAULT_PREFIX, m.VLLM_PREFIX)]
     return {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": [{
             "job_name": "ray",
             "file_sd_configs": [{"files": [service_discovery_file]}],
-            "metric_relabel_configs": [{
-                "source_labels": ["__name__"],
-                "regex": f"{ray_prefix}(.+)",
-                "target_label": "__name__",
-                "replacement": f"{m.METRIC_PREFIX}${{1}}",
-                "action": "replace",
-            }],
+            "metric_relabel_configs": renames,
         }],
     }
 

@@ -34,6 +34,15 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
+DEFAULT_PREFIX = "iterserve:"
+# With this prefix every metric vLLM also has carries vLLM's exact name and label set
+# (model_name, engine); iterserve's own metrics keep DEFAULT_PREFIX, so no name is invented
+# under vLLM's namespace.
+VLLM_PREFIX = "vllm:"
+LABEL_REPLICA = "replica"
+VLLM_ENGINE_LABEL = "engine"
+VLLM_ENGINE_INDEX = "0"  # one engine per replica: vLLM's label value for a single engine
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -47,15 +56,30 @@ class MetricSpec:
     # How a gauge is merged across processes in multiprocess mode. The replica label makes
     # series unique per process; "live" drops a process's values once it is marked dead.
     multiprocess_mode: str = "livemostrecent"
+    # The name without prefix in vLLM (vllm/v1/metrics/loggers.py); None: vLLM has none.
+    vllm_key: str | None = None
 
     def name(self, prefix: str) -> str:
         """The name given to the client library, e.g. ``iterserve:prompt_tokens``."""
+        if prefix == VLLM_PREFIX:
+            return f"{VLLM_PREFIX}{self.vllm_key}" if self.vllm_key else (
+                f"{DEFAULT_PREFIX}{self.key}")
         return f"{prefix}{self.key}"
 
     def exposed_name(self, prefix: str) -> str:
         """The series name Prometheus stores (counters gain ``_total``)."""
         suffix = "_total" if self.kind == "counter" else ""
-        return f"{prefix}{self.key}{suffix}"
+        return self.name(prefix) + suffix
+
+    def label_names(self, prefix: str) -> tuple[str, ...]:
+        """Under vLLM's names an engine metric also carries vLLM's ``engine`` label."""
+        if prefix == VLLM_PREFIX and self.vllm_key and LABEL_REPLICA in self.labels:
+            return (*self.labels, VLLM_ENGINE_LABEL)
+        return self.labels
+
+    def select_labels(self, prefix: str, labels: dict[str, str]) -> dict[str, str]:
+        """The values of this metric's labels (callers may pass more, e.g. ``engine``)."""
+        return {name: labels[name] for name in self.label_names(prefix)}
 
 
 class MetricSink(Protocol):
@@ -140,7 +164,8 @@ class PrometheusClientSink:
         if instrument is not None:
             return instrument
         name = spec.name(self._prefix)
-        common: dict[str, Any] = {"labelnames": spec.labels, "registry": self._registry}
+        common: dict[str, Any] = {"labelnames": spec.label_names(self._prefix),
+                                  "registry": self._registry}
         if spec.kind == "counter":
             instrument = prometheus_client.Counter(name, spec.documentation, **common)
         elif spec.kind == "gauge":
@@ -154,22 +179,24 @@ class PrometheusClientSink:
         self._instruments[spec.key] = instrument
         return instrument
 
+    def _child(self, spec: MetricSpec, labels: dict[str, str]) -> Any:
+        return self._instrument(spec).labels(**spec.select_labels(self._prefix, labels))
+
     def counter_inc(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        self._instrument(spec).labels(**labels).inc(value)
+        self._child(spec, labels).inc(value)
 
     def gauge_set(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        self._instrument(spec).labels(**labels).set(value)
+        self._child(spec, labels).set(value)
 
     def histogram_observe(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        self._instrument(spec).labels(**labels).observe(value)
+        self._child(spec, labels).observe(value)
 
 
 class RayMetricsSink:
     """`ray.util.metrics` instruments (exported by each node's Ray metrics agent)."""
 
     def __init__(self, prefix: str) -> None:
-        # Ray 2.60 warns on ':' and will reject it; the scrape config restores the prefix.
-        self._prefix = prefix.replace(":", "_")
+        self._prefix = prefix
         self._instruments: dict[str, Any] = {}
 
     def _instrument(self, spec: MetricSpec) -> Any:
@@ -178,27 +205,29 @@ class RayMetricsSink:
             return instrument
         from ray.util import metrics as ray_metrics
 
-        name = spec.name(self._prefix)
+        # Ray 2.60 warns on ':' and will reject it; the scrape config restores the prefix.
+        name = spec.name(self._prefix).replace(":", "_")
+        tag_keys = spec.label_names(self._prefix)
         if spec.kind == "counter":
-            instrument = ray_metrics.Counter(name, spec.documentation, tag_keys=spec.labels)
+            instrument = ray_metrics.Counter(name, spec.documentation, tag_keys=tag_keys)
         elif spec.kind == "gauge":
-            instrument = ray_metrics.Gauge(name, spec.documentation, tag_keys=spec.labels)
+            instrument = ray_metrics.Gauge(name, spec.documentation, tag_keys=tag_keys)
         else:
             instrument = ray_metrics.Histogram(
-                name, spec.documentation, boundaries=list(spec.buckets), tag_keys=spec.labels
+                name, spec.documentation, boundaries=list(spec.buckets), tag_keys=tag_keys
             )
         self._instruments[spec.key] = instrument
         return instrument
 
     def counter_inc(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
         if value > 0:  # Ray counters reject 0 increments
-            self._instrument(spec).inc(value, tags=labels)
+            self._instrument(spec).inc(value, tags=spec.select_labels(self._prefix, labels))
 
     def gauge_set(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        self._instrument(spec).set(value, tags=labels)
+        self._instrument(spec).set(value, tags=spec.select_labels(self._prefix, labels))
 
     def histogram_observe(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        self._instrument(spec).observe(value, tags=labels)
+        self._instrument(spec).observe(value, tags=spec.select_labels(self._prefix, labels))
 
 
 _SINKS: dict[tuple[str, int, str], MetricSink] = {}

@@ -16,7 +16,7 @@ from ray.serve import Application
 from iterserve.autoscale.policy import serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config_dict
 from iterserve.deploy.ingress import OpenAIIngress
-from iterserve.deploy.replica import LLMReplica
+from iterserve.deploy.replica import SHUTDOWN_SLACK_S, LLMReplica
 from iterserve.deploy.settings import AppArgs, AppSettings, coerce_engine_kwargs, resolve_app
 
 __all__ = ["APP_NAME", "AppArgs", "AppSettings", "build_app", "coerce_engine_kwargs",
@@ -48,10 +48,13 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
         "num_replicas": app_args.num_replicas,
         "max_ongoing_requests": app_args.max_ongoing_requests,
         "ray_actor_options": settings.replica_actor_options,
-        "graceful_shutdown_timeout_s": app_args.drain_timeout_s + 5,
+        "graceful_shutdown_timeout_s": settings.drain_timeout_s + SHUTDOWN_SLACK_S,
     }
+    if app_args.max_replicas_per_node is not None:
+        replica_options["max_replicas_per_node"] = app_args.max_replicas_per_node
     replica_options.update(routing_and_scaling_options(settings))
-    replica = LLMReplica.options(**replica_options).bind(settings.engine, app_args.drain_timeout_s)
+    replica = LLMReplica.options(**replica_options).bind(
+        settings.engine, settings.drain_timeout_s, app_args.metrics_prefix)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas).bind(
         replica,
         api_keys=tuple(app_args.api_keys),

@@ -52,6 +52,9 @@ def describe_engine(engine: Any, extra: dict[str, Any] | None = None) -> dict[st
         "config": {**flat_config(config), "num_gpu_blocks": stats.num_total_blocks},
         "stats": ReplicaLoad.from_engine_stats(
             stats, bool(getattr(engine, "is_draining", False))).to_dict(),
+        # Requests ended per finish reason, from the same snapshot as "stats": what
+        # /metrics' request_success_total must agree with.
+        "finished_by_reason": dict(stats.finished_by_reason),
     }
     info.update(extra or {})
     return info

@@ -33,6 +33,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMReplica", "replica_actor_options"]
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The slowest per-stream decode a loaded replica is expected to run (20 tokens/s): a drain
+# that lets a max_model_len generation finish at this pace drops no stream.
+DRAIN_SECONDS_PER_TOKEN = 0.05
+SHUTDOWN_SLACK_S = 5.0  # Serve's timeout beyond the drain: the engine's own shutdown
+
+
+def drain_timeout_for(max_model_len: int) -> float:
+    """A drain covering the longest allowed generation. Serve's graceful_shutdown_timeout_s
+    (default 20 s) would cut a long stream short on every scale-down and redeploy."""
+    return max(DEFAULT_DRAIN_TIMEOUT_S, max_model_len * DRAIN_SECONDS_PER_TOKEN)
 
 
 def replica_actor_options(num_gpus: float | None = None, num_cpus: float | None = None
@@ -64,14 +74,15 @@ def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any
     return {"cpu_threads": replica_cpu_threads(), **(engine_kwargs or {})}
 
 
-def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
+def _install_stat_logger(engine: Any, replica_id: str, metrics_prefix: str | None) -> Any | None:
     """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
     try:
-        from iterserve.dashboards.metrics import PrometheusStatLogger
+        from iterserve.dashboards.metrics import DEFAULT_PREFIX, PrometheusStatLogger
     except ImportError:
         logger.warning("iterserve.dashboards.metrics unavailable: engine metrics are off")
         return None
-    stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id)
+    stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id,
+                                       prefix=metrics_prefix or DEFAULT_PREFIX)
     engine.add_stat_logger(stat_logger)
     return stat_logger
 
@@ -88,13 +99,14 @@ class LLMReplica:
     """One engine per replica; streams RequestOutput deltas to the ingress."""
 
     async def __init__(self, engine_config: EngineConfig,
-                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                       metrics_prefix: str | None = None) -> None:
         """engine_config: resolved once by the deployment (deploy/settings.py)."""
         from iterserve.replica import AsyncLLMEngine
 
         self.engine = AsyncLLMEngine(engine_config)
         self._replica_id = self._current_replica_id()
-        self._stat_logger = _install_stat_logger(self.engine, self._replica_id)
+        self._stat_logger = _install_stat_logger(self.engine, self._replica_id, metrics_prefix)
         self._drain_timeout_s = drain_timeout_s
         self._num_requests = 0
         self._num_cancelled = 0  # streams closed before their end (disconnects)

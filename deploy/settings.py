@@ -24,14 +24,16 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
+from iterserve.dashboards.metrics import DEFAULT_PREFIX, MetricPrefix
 from iterserve.deploy.replica import (
-    DEFAULT_DRAIN_TIMEOUT_S,
+    drain_timeout_for,
     replica_actor_options,
     replica_engine_kwargs,
 )
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
 from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
-from iterserve.replica.model_source import model_display_name
+from iterserve.replica.loader import read_model_config
+from iterserve.replica.model_source import model_display_name, resolve_model_path
 from iterserve.replica.resolve import resolve_engine_config
 
 # Replica bounds are AutoscaleConfig's: one declaration, one rule.
@@ -115,8 +117,15 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024,
                                 description="request body limit (413 beyond it)")
     model_aliases: list[str] = Field(default_factory=list)
-    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, description="how long a "
-                                   "replica being removed waits for its streams")
+    drain_timeout_s: float | None = Field(
+        None, ge=0, description="how long a replica being removed waits for its streams "
+        "(default: long enough for the longest allowed generation, from max_model_len)")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, description="at most this many LLMReplicas per node (1: a lost node takes "
+        "one replica with it)")
+    metrics_prefix: MetricPrefix = Field(
+        DEFAULT_PREFIX, description="metric names: iterserve's, vLLM's exact names (vllm:), "
+        "or promtool-clean (iterserve_)")
 
     @model_validator(mode="before")
     @classmethod
@@ -172,7 +181,8 @@ class AppSettings:
     engine: the EngineConfig every replica runs (resolved for the replicas' device).
     router: the KV-aware router's config (None: Ray's power-of-two, or the user's own
     `request_router_config`). autoscale: the autoscaling policy's config (None: a fixed
-    `num_replicas`). replica_actor_options: Ray resources of one replica.
+    `num_replicas`). replica_actor_options: Ray resources of one replica. drain_timeout_s:
+    the drain of a stopping replica (`drain_timeout_for(max_model_len)` unless given).
     """
 
     args: AppArgs
@@ -180,6 +190,7 @@ class AppSettings:
     router: RouterConfig | None
     autoscale: AutoscaleConfig | None
     replica_actor_options: dict[str, float]
+    drain_timeout_s: float
 
 
 def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> AppSettings:
@@ -202,7 +213,17 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
     if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
         autoscale = AutoscaleConfig(model_name=model_name, min_replicas=app_args.min_replicas,
                                     max_replicas=app_args.max_replicas)
-    return AppSettings(app_args, engine, router, autoscale, actor_options)
+    return AppSettings(app_args, engine, router, autoscale, actor_options,
+                       _drain_timeout_s(app_args, engine))
+
+
+def _drain_timeout_s(app_args: AppArgs, engine: EngineConfig) -> float:
+    if app_args.drain_timeout_s is not None:
+        return app_args.drain_timeout_s
+    max_model_len = engine.scheduler.max_model_len
+    if max_model_len is None:  # the model's own context length
+        max_model_len = read_model_config(resolve_model_path(engine.model)).max_position_embeddings
+    return drain_timeout_for(max_model_len)
 
 
 def model_name_of(model: str | None) -> str:

@@ -31,11 +31,16 @@ from iterserve.replica.errors import (
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
-from iterserve.replica.stats import EngineStats, StatLogger
+from iterserve.replica.stats import (
+    FINISH_REASON_ABORT,
+    FINISH_REASON_ERROR,
+    EngineStats,
+    StatLogger,
+)
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.25  # how often an idle loop refreshes its stats snapshot
+IDLE_WAIT_S = 0.25  # the idle stats tick: how often an idle loop refreshes stats and metrics
 
 
 @dataclass
@@ -180,6 +185,7 @@ class AsyncLLMEngine:
                     self._deliver(self.engine.step())
                     self._stats = self.engine.stats()
                 else:
+                    self.engine.log_idle_stats()
                     self._stats = self.engine.stats()
                     self._wakeup.wait(IDLE_WAIT_S)
                     self._wakeup.clear()
@@ -187,10 +193,30 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._dead = error
             dead = EngineDeadError(f"the engine loop died: {error!r}")
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
-            self._streams.clear()
+            self._end_streams(dead)
             self._fail_pending_commands(dead)
+            self._count_unfinished(FINISH_REASON_ERROR)
+            return
+        self._end_streams(EngineDeadError("the engine shut down"))
+        self._count_unfinished(FINISH_REASON_ABORT)
+
+    def _end_streams(self, error: EngineDeadError) -> None:
+        for stream in list(self._streams.values()):
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:  # that caller's event loop is closed: nobody to tell
+                continue
+        self._streams.clear()
+
+    def _count_unfinished(self, reason: str) -> None:
+        """Requests the engine will never finish (it stopped or died) end under `reason`,
+        once, and the stat loggers see them: a dashboard counts every request sent."""
+        try:
+            self.engine.end_all_requests(reason)
+            self.engine.log_idle_stats()
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - a broken engine may not even count; say so
+            logger.exception("could not count the unfinished requests of a stopped engine")
 
     def _run_commands(self) -> None:
         while True:

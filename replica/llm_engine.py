@@ -43,7 +43,15 @@ from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
-from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
+from iterserve.replica.stats import (
+    FINISH_REASON_ABORT,
+    FINISH_REASON_ERROR,
+    FINISH_REASONS,
+    EngineStats,
+    FinishedRequestStats,
+    IterationStats,
+    StatLogger,
+)
 from iterserve.replica.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +87,10 @@ class LLMEngine:
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
         self.stat_loggers: list[StatLogger] = []
+        # Every request that ends is counted once, under its reason, when it ends; the stats
+        # of those that ended outside a step (aborts, failures) wait for the next record.
+        self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
         self._last_step_tokens = 0
         self._ids = itertools.count()
@@ -152,19 +164,31 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request and all of its children; returns their final outputs."""
+        return self._end_request(request_id, FINISH_REASON_ABORT)
+
+    def end_all_requests(self, reason: str) -> list[str]:
+        """End every unfinished request under `reason` ("abort" at shutdown, "error" when the
+        loop died), freeing its blocks; returns the ids of the requests ended."""
+        request_ids = list(self.children)
+        for request_id in request_ids:
+            self._end_request(request_id, reason)
+        return request_ids
+
+    def _end_request(self, request_id: str, reason: str) -> list[RequestOutput]:
         outputs = []
         for child in self.pending_children.pop(request_id, []):
-            outputs.append(self._final_abort_output(child))
+            outputs.append(self._final_abort_output(child, reason))
         for child_id in self.children.get(request_id, []):
             request = self.scheduler.abort_request(child_id)
             if request is not None:
                 self.runner.release(child_id)
-                outputs.append(self._final_abort_output(request))
+                outputs.append(self._final_abort_output(request, reason))
         self._forget(request_id)
         return outputs
 
-    def _final_abort_output(self, request: Request) -> RequestOutput:
+    def _final_abort_output(self, request: Request, reason: str) -> RequestOutput:
         request.status = RequestStatus.FINISHED_ABORTED
+        self._count_finished(request, reason)
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
@@ -245,7 +269,8 @@ class LLMEngine:
         for request in finished:
             self.runner.release(request.request_id)
             self._forget_child(request)
-        self._record(start, scheduler_output, updated, finished)
+            self._count_finished(request, request.finish_reason or FINISH_REASON_ERROR)
+        self._record(start, scheduler_output, updated)
         return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -364,10 +389,30 @@ class LLMEngine:
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
+            finished_by_reason=dict(self.finished_by_reason),
         )
 
-    def _record(self, start: float, output: SchedulerOutput, updated: list[Request],
-                finished: list[Request]) -> None:
+    def _count_finished(self, request: Request, reason: str) -> None:
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        if self.stat_loggers:
+            self._unlogged_finished.append(finished_request_stats(request, reason))
+
+    def _take_unlogged_finished(self) -> list[FinishedRequestStats]:
+        finished, self._unlogged_finished = self._unlogged_finished, []
+        return finished
+
+    def log_idle_stats(self) -> None:
+        """The stats tick of an engine that ran no step: gauges show the engine as it is now
+        (not as the last step left it), and requests that ended since are counted."""
+        if not self.stat_loggers:
+            return
+        snapshot = self.stats()
+        iteration = IterationStats.idle(snapshot.timestamp)
+        finished = self._take_unlogged_finished()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration, finished)
+
+    def _record(self, start: float, output: SchedulerOutput, updated: list[Request]) -> None:
         now = self.clock()
         self._last_step_tokens = output.num_batched_tokens
         self._recent_steps.append((now, output.num_batched_tokens))
@@ -389,7 +434,7 @@ class LLMEngine:
             time_to_first_tokens_s=ttfts,
             inter_token_latencies_s=itls,
         )
-        finished_stats = [finished_request_stats(r) for r in finished]
+        finished_stats = self._take_unlogged_finished()
         snapshot = self.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration, finished_stats)
@@ -404,12 +449,12 @@ class InFlightStep:
     handle: StepHandle
 
 
-def finished_request_stats(request: Request) -> FinishedRequestStats:
+def finished_request_stats(request: Request, reason: str | None = None) -> FinishedRequestStats:
     end = request.finished_time or request.arrival_time
     admitted = request.admitted_time or end
     first = request.first_token_time
     return FinishedRequestStats(
-        finish_reason=request.finish_reason or "abort",
+        finish_reason=reason or request.finish_reason or "abort",
         e2e_latency_s=end - request.arrival_time,
         queue_time_s=admitted - request.arrival_time,
         prefill_time_s=(first - admitted) if first is not None else 0.0,

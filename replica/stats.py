@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# How a request ended: vLLM's finish reasons, plus "error" (it failed in the engine).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASON_ABORT = "abort"
+FINISH_REASON_ERROR = "error"
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -28,10 +33,14 @@ class EngineStats:
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
     max_waiting_requests: int | None = None
+    # cumulative requests ended per finish reason (each counted once, when it ends)
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class IterationStats:
+    """What one step did; `idle` is the record of a tick in which no step ran."""
+
     timestamp: float
     step_time_s: float
     num_prompt_tokens: int  # prefill tokens computed this step
@@ -41,10 +50,14 @@ class IterationStats:
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
 
+    @classmethod
+    def idle(cls, timestamp: float) -> IterationStats:
+        return cls(timestamp, 0.0, 0, 0, 0, 0)
+
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
-    finish_reason: str  # stop, length or abort
+    finish_reason: str  # one of FINISH_REASONS
     e2e_latency_s: float  # arrival to finish
     queue_time_s: float  # arrival to first admission
     prefill_time_s: float  # first admission to first token
