@@ -27,6 +27,7 @@ from iterserve.deploy.engine_info import resolve_model_path
 from iterserve.deploy.ingress import OpenAIIngress
 from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, LLMReplica, replica_actor_options
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
+from iterserve.deploy.tool_calls import ToolSettings
 from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
 
 APP_NAME = "iterserve"
@@ -101,6 +102,8 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     model_aliases: list[str] = Field(default_factory=list)
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    chat_template: str | None = None  # a shipped template name (deploy/templates) or a file
+    tool_call_parser: str | None = None  # hermes (default) or llama3_json
 
     @model_validator(mode="before")
     @classmethod
@@ -179,4 +182,5 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         api_key_file=app_args.api_key_file,
         max_body_bytes=app_args.max_body_bytes,
         model_aliases=tuple(app_args.model_aliases),
+        tools=ToolSettings.from_flags(app_args.chat_template, app_args.tool_call_parser),
     )

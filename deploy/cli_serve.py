@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--simulate", action="store_true",
                         help="use the simulated runner (cost model, no GPU): --runner simulated")
     parser.add_argument("--runner", choices=("model", "simulated"), default=None)
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template replacing the model's: a shipped name "
+                             "(tool_chatml, tool_llama3_json) or a .jinja file")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how tool calls are read from the output: hermes (default), "
+                             "llama3_json")
     engine = parser.add_argument_group("engine (vLLM names; TensorRT-LLM aliases)")
     for flag in ENGINE_FLAGS:
         engine.add_argument(*flag.flags, dest=flag.dest, type=flag.type, choices=flag.choices,
@@ -153,6 +159,10 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
         app["max_body_bytes"] = args.max_body_bytes
     if args.drain_timeout_s is not None:
         app["drain_timeout_s"] = args.drain_timeout_s
+    if args.chat_template is not None:
+        app["chat_template"] = args.chat_template
+    if args.tool_call_parser is not None:
+        app["tool_call_parser"] = args.tool_call_parser
     return app
 
 

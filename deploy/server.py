@@ -43,6 +43,7 @@ from iterserve.deploy.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from iterserve.deploy.tool_calls import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class IngressSettings:
     api_keys: tuple[SecretStr, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     model_aliases: tuple[str, ...] = field(default=())  # extra names accepted as `model`
+    tools: ToolSettings = field(default_factory=ToolSettings)  # --chat-template, --tool-call-parser
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -160,7 +162,7 @@ def create_app(client: EngineClient, settings: IngressSettings | None = None) ->
         body = await read_body(request, ChatCompletionRequest, limit)
         info = await client.model_info()
         check_model(body.model, info, settings.model_aliases)
-        return await create_chat_completion(body, client, info)
+        return await create_chat_completion(body, client, info, settings.tools)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -185,7 +187,7 @@ def create_app(client: EngineClient, settings: IngressSettings | None = None) ->
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
-            ids = chat_prompt(chat, tokenizer)
+            ids = chat_prompt(chat, tokenizer, chat_template=settings.tools.chat_template)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         out = TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
-from iterserve.replica.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from iterserve.replica.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    StructuredOutputError,
+)
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
@@ -105,6 +110,8 @@ class AsyncLLMEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise StructuredOutputError(item.error)
                 yield item
                 if item.finished:
                     stream.num_finished += 1

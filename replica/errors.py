@@ -24,3 +24,8 @@ class EngineDrainingError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop died; in-flight requests end with this error (500)."""
+
+
+class StructuredOutputError(EngineError, ValueError):
+    """A request's grammar or logit controls left no token to sample, or its grammar failed
+    to compile; only that request ends (400: the cause is the request's own constraint)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.constrained_requests import ConstrainedRequests
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.make_model import default_model_path
@@ -33,6 +34,7 @@ from iterserve.replica.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 2.0  # window of the step_token_rate signal
+GRAMMAR_WAIT_S = 0.02  # how long an otherwise idle step waits for a grammar to compile
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -66,6 +68,8 @@ class LLMEngine:
             self.runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, clock)
+        self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
+                                               sorted(self.eos_token_ids))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
@@ -105,6 +109,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        self.constrained.check(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
             Request(
@@ -120,9 +125,10 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.scheduler.check_fits(children[0])
-        self.scheduler.add_request(children[0])
-        if len(children) > 1:
-            self.pending_children[request_id] = children[1:]
+        if self.constrained.attach(children, params):
+            self.constrained.hold(request_id, children)  # joins the scheduler once compiled
+        else:
+            self._schedule_children(request_id, children)
         self.children[request_id] = [c.request_id for c in children]
         for child in children:
             self.detokenizers[child.request_id] = IncrementalDetokenizer(
@@ -130,6 +136,11 @@ class LLMEngine:
                 params.include_stop_str_in_output,
             )
         return request_id
+
+    def _schedule_children(self, request_id: str, children: list[Request]) -> None:
+        self.scheduler.add_request(children[0])
+        if len(children) > 1:
+            self.pending_children[request_id] = children[1:]
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -144,7 +155,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request and all of its children; returns their final outputs."""
         outputs = []
-        for child in self.pending_children.pop(request_id, []):
+        held = self.constrained.release(request_id) + self.pending_children.pop(request_id, [])
+        for child in held:
             outputs.append(self._final_abort_output(child))
         for child_id in self.children.get(request_id, []):
             request = self.scheduler.abort_request(child_id)
@@ -159,7 +171,8 @@ class LLMEngine:
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+        return (self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+                or bool(self.constrained.held))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -169,10 +182,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration and return a delta for every request that got a token."""
         start = self.clock()
+        failed = self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._detokenize(r, runner_output) for r in updated]
+        self._advance_grammars(updated)
+        outputs = failed + [self._detokenize(r, runner_output) for r in updated]
         self._release_pending_children()
         finished = [r for r in updated if r.is_finished]
         for request in finished:
@@ -181,7 +196,37 @@ class LLMEngine:
         self._record(start, scheduler_output, updated, finished)
         return outputs
 
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Schedule requests whose grammar compiled; end those whose grammar failed."""
+        if not self.constrained.held:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.constrained.wait_for_any(GRAMMAR_WAIT_S)
+        failed = []
+        for parent_id, children, error in self.constrained.take_compiled():
+            if error is None:
+                self._schedule_children(parent_id, children)
+                continue
+            for child in children:
+                child.constraint.error = error
+                failed.append(self._final_abort_output(child))
+            self._forget(parent_id)
+        return failed
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Matchers take the sampled token; a dead end finishes its request alone."""
+        dead, complete = self.constrained.advance(updated)
+        for request in dead:
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        for request in complete:
+            if not request.is_finished:  # e.g. ignore_eos: the grammar has nothing left
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
+        if request.constraint is not None and request.constraint.error is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            return self._output(request, [], "", None)  # the dead end's token is not sent
         token_id = request.output_token_ids[-1]
         detokenizer = self.detokenizers[request.request_id]
         text, matched_stop = detokenizer.add([token_id])
@@ -209,6 +254,7 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
+            error=request.constraint.error if request.constraint is not None else None,
         )
 
     def _release_pending_children(self) -> None:
@@ -245,7 +291,8 @@ class LLMEngine:
         return EngineStats(
             timestamp=time.time(),
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + sum(map(len, self.pending_children.values())),
+            num_waiting=(self.scheduler.num_waiting + sum(map(len, self.pending_children.values()))
+                         + self.constrained.num_held),
             num_total_blocks=manager.num_total_blocks,
             num_free_blocks=manager.num_free_blocks,
             kv_usage=manager.usage,

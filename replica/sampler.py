@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from iterserve.replica.logit_controls import apply_constraints
 from iterserve.replica.outputs import TokenLogprobs
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class Sampler:
         logits = logits.float()
         for row, request in enumerate(requests):
             self._apply_penalties(logits[row], request)
+        apply_constraints(logits, requests)  # logit_bias, allowed ids, bad words, grammar
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         if greedy_rows:
