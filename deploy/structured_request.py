@@ -94,7 +94,7 @@ def _guided_spec(req: Any) -> StructuredSpec | None:
                           "guided_grammar.")
     if not given:
         return None
-    return _spec_of(*given)
+    return _spec_of(*given[0])
 
 
 def _structured_outputs_spec(options: dict[str, Any] | None) -> StructuredSpec | None:
@@ -108,7 +108,7 @@ def _structured_outputs_spec(options: dict[str, Any] | None) -> StructuredSpec |
     if len(given) != 1:
         raise bad_request("structured_outputs takes exactly one of json, regex, choice, "
                           "grammar or json_object.", param="structured_outputs")
-    return _spec_of(*given)
+    return _spec_of(*given[0])
 
 
 def _spec_of(name: str, value: Any) -> StructuredSpec:

@@ -25,6 +25,11 @@ from iterserve.replica.structured_spec import StructuredSpec
 from iterserve.replica.tokenizer import Tokenizer
 
 COMPILE_THREADS = 2
+# xgrammar (0.2.9) writes the characters of a length-bounded JSON string as [^"\\\r\n], which
+# admits raw control characters that JSON forbids (a small model does emit \x12); its
+# unbounded strings use the right class. The compiled EBNF is patched to the right class.
+LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+STRICT_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
 def tokenizer_info(tokenizer: Tokenizer, logits_width: int,
@@ -51,6 +56,13 @@ class CompileStats:
     @property
     def hit_rate(self) -> float:
         return self.num_cache_hits / self.num_requests if self.num_requests else 0.0
+
+
+def json_grammar(schema: str, strict_mode: bool) -> str:
+    """The schema's EBNF: no free whitespace (a small model would pad JSON with newlines),
+    and no raw control characters in strings."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode)
+    return str(grammar).replace(LOOSE_STRING_CHARS, STRICT_STRING_CHARS)
 
 
 class GrammarCompilerPool:
@@ -92,11 +104,9 @@ class GrammarCompilerPool:
     def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                         strict_mode=False)
+                return self.compiler.compile_grammar(json_grammar('{"type": "object"}', False))
             if spec.kind == "json_schema":
-                # No free whitespace: a small model would otherwise pad JSON with newlines.
-                return self.compiler.compile_json_schema(spec.text, any_whitespace=False)
+                return self.compiler.compile_grammar(json_grammar(spec.text, True))
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.text)
             if spec.kind == "choice":
