@@ -35,7 +35,7 @@ USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig.from_kwargs(model=None, device="cpu", max_model_len=1024,
+    config = EngineConfig.from_kwargs(model="iterserve-tiny", device="cpu", max_model_len=1024,
                                       num_gpu_blocks_override=256, max_num_seqs=8)
     engine = AsyncLLMEngine(config)
     yield engine

@@ -21,7 +21,7 @@ PROMPT = "Answer in JSON."
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(None, max_model_len=512, num_gpu_blocks_override=256)
+    return LLM("iterserve-tiny", max_model_len=512, num_gpu_blocks_override=256)
 
 
 def generate(llm: LLM, prompts: list, params: list[SamplingParams] | SamplingParams) -> list:
@@ -120,7 +120,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(llm: LLM, kwargs: dict) -> 
     prompts = [" ".join(["word"] * (10 + 9 * i)) for i in range(5)]
     params = [schema_params(s, temperature=0.0, max_tokens=120) for s in schemas]
     reference = generate(llm, prompts, params)
-    other = LLM(None, max_model_len=512, **kwargs)
+    other = LLM("iterserve-tiny", max_model_len=512, **kwargs)
     outputs = generate(other, prompts, params)
     if "num_gpu_blocks_override" in kwargs:
         assert other.engine.scheduler.num_preemptions > 0
