@@ -247,3 +247,16 @@ def test_bounded_json_strings_admit_no_raw_control_characters() -> None:
     grammar = xgr.Grammar.from_ebnf(json_grammar('{"type": "string", "maxLength": 5}', True))
     accepts = xgr.testing._is_grammar_accept_string
     assert accepts(grammar, '"abc"') and not accepts(grammar, '"ab\x12"')
+
+
+def test_aborting_a_request_that_waits_for_its_grammar(llm: LLM) -> None:
+    engine = llm.engine
+    spec = StructuredSpec.from_regex("never[0-9]+compiled")
+    engine.constrained.pool.cache[spec] = concurrent.futures.Future()  # compile never ends
+    engine.add_request("x", SamplingParams(n=2, max_tokens=4, structured=spec),
+                       request_id="held")
+    assert engine.stats().num_waiting == 2 and engine.has_unfinished_requests()
+    outputs = engine.abort_request("held")
+    assert [o.finish_reason for o in outputs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
+    engine.constrained.pool.cache.pop(spec)
