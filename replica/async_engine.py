@@ -26,7 +26,7 @@ from iterserve.replica.errors import (
     EngineDeadError,
     EngineDrainingError,
     QueueFullError,
-    StructuredOutputError,
+    RequestFailedError,
 )
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.outputs import RequestOutput
@@ -110,8 +110,6 @@ class AsyncLLMEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.error is not None:
-                    raise StructuredOutputError(item.error)
                 yield item
                 if item.finished:
                     stream.num_finished += 1
@@ -225,10 +223,18 @@ class AsyncLLMEngine:
                 command.done.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop,
+                      list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
+                continue
+            if output.error is not None:
+                # One child failed: the caller raises this, and closing its stream aborts the
+                # request's other children.
+                failure = RequestFailedError(f"the request failed in the engine: {output.error}")
+                by_loop.setdefault(stream.loop, []).append((stream.queue, failure))
+                self._streams.pop(output.request_id, None)
                 continue
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
             if output.finished:
@@ -241,9 +247,10 @@ class AsyncLLMEngine:
             except RuntimeError:
                 # The caller's event loop is closed: nobody is listening, so free the requests.
                 for _, output in items:
-                    self._abort(self.engine, output.request_id)
+                    if isinstance(output, RequestOutput):  # a failed request already ended
+                        self._abort(self.engine, output.request_id)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for q, output in items:
         q.put_nowait(output)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from iterserve.replica.attention_metadata import AttentionMetadata
+from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
@@ -74,7 +74,7 @@ class ModelRunner:
                                             max_batch_size=config.scheduler.max_num_seqs,
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
                                                                  // self.block_size),
-                                            split_kv_for=self._split_kv_for)
+                                            kv_splits_for=self._decode_kv_splits)
             self.graphs.capture()
 
     # ------------------------------------------------------------------------------ memory
@@ -150,25 +150,32 @@ class ModelRunner:
         indices = torch.from_numpy(prepared.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
         requests = [scheduler_output.scheduled[i].request for i in prepared.sample_rows]
-        token_ids, logprobs = self.sampler.sample(logits, requests)
-        for request, token_id, lp in zip(requests, token_ids, logprobs, strict=True):
+        token_ids, logprobs, failed = self.sampler.sample(logits, requests)
+        for row, (request, token_id, lp) in enumerate(zip(requests, token_ids, logprobs,
+                                                           strict=True)):
+            if row in failed:
+                output.failed[request.request_id] = failed[row]
+                continue
             output.sampled_token_ids[request.request_id] = token_id
             if lp is not None:
                 output.logprobs[request.request_id] = lp
         return output
 
-    def _use_split_kv(self, prepared: PreparedInputs) -> bool:
-        return prepared.is_decode_only and self._split_kv_for(len(prepared.seq_lens),
-                                                              prepared.max_seq_len)
-
-    def _split_kv_for(self, num_seqs: int, max_seq_len: int) -> bool:
-        """Whether a decode-only batch of this shape runs split-KV (flash-decoding)."""
+    def _decode_kv_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
+        """Split-KV ways for a batch's decode part (1 on the torch path: no split)."""
         if self.attention_backend != "triton" or self.device.type != "cuda":
-            return False
-        from iterserve.kernels.ops import use_split_kv
+            return 1
+        from iterserve.kernels.ops import choose_num_splits
 
-        return use_split_kv(num_seqs, self.model_config.num_key_value_heads, max_seq_len, 1,
-                            self.num_sms)
+        return choose_num_splits(num_decodes, self.model_config.num_key_value_heads,
+                                 max_decode_seq_len, self.num_sms)
+
+    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, int]:
+        """num_decodes / num_kv_splits from the host arrays: the decode part alone decides."""
+        num_decodes = count_leading_decodes(prepared.query_start_loc)
+        longest = int(prepared.seq_lens[:num_decodes].max()) if num_decodes else 0
+        return {"num_decodes": num_decodes,
+                "num_kv_splits": self._decode_kv_splits(num_decodes, longest) if num_decodes else 1}
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
@@ -182,7 +189,7 @@ class ModelRunner:
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
-            use_split_kv=self._use_split_kv(prepared),
+            **self._attention_launch_hints(prepared),
         )
         input_ids = torch.from_numpy(prepared.input_ids).to(to)
         positions = torch.from_numpy(prepared.positions).to(to)

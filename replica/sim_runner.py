@@ -12,9 +12,9 @@ microseconds of CPU (a few integer hashes per request) and the rest is `time.sle
 Default coefficients: Llama-3-8B (bf16) on one H100 SXM 80GB, vLLM-class engine. Each is
 derived from published figures next to it; measured coefficients replace them through
 `CostModel.fit(...)` (least squares over measured steps), `CostModel.from_json(path)`, or the
-`ITERSERVE_SIM_COST_MODEL` environment variable (a JSON file path or an inline JSON object
-of CostModel / SimulatorConfig fields, optionally {"preset": "h200"}), read once, in the
-constructor. `SimulatorConfig.preset("h200")` gives H200 SXM 141GB figures.
+engine setting `simulator` (`--simulator`: a preset name, a JSON file path or an inline JSON
+object of CostModel / SimulatorConfig fields, optionally {"preset": "h200"}), read once, in
+the constructor. `SimulatorConfig.preset("h200")` gives H200 SXM 141GB figures.
 
 Tokens: token at output position p of a request is hash(seed, p) mod vocab_size, where
 seed is SamplingParams.seed (mixed with the child index) if set, else a stable hash of
@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-
-ENV_SIM_CONFIG = "ITERSERVE_SIM_COST_MODEL"
 
 GiB = 1024**3
 _MASK64 = (1 << 64) - 1
@@ -113,6 +112,9 @@ class SimulatorConfig:
     time_scale: float = 1.0  # >1 slows the simulated GPU (experiments on small CPUs)
     eos_probability: float = 0.0  # per sampled token; 0 never ends a request on EOS
     sleep: bool = True  # False: account time without sleeping (unit tests)
+    # Chaos: when this file exists at the start of a step, the first replica to claim it
+    # (by deleting it) faults as a GPU would (DeviceFaultError), which stops its engine loop.
+    fault_trigger_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -151,13 +153,25 @@ class SimulatorConfig:
         return dataclasses.replace(base, cost=cost, **data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> SimulatorConfig:
-        """From ITERSERVE_SIM_COST_MODEL (JSON file path or inline JSON); defaults if unset."""
-        raw = environ.get(ENV_SIM_CONFIG, "").strip()
-        if not raw:
+    def from_spec(cls, spec: str | None) -> SimulatorConfig:
+        """EngineConfig.simulator: None (defaults), a preset name (h100, h200), inline JSON or
+        the path of a JSON file, as `from_mapping` reads them."""
+        if spec is None or not spec.strip():
             return cls()
-        text = raw if raw.startswith("{") else Path(raw).read_text()
+        spec = spec.strip()
+        if spec in ("h100", "h200"):
+            return cls.preset(spec)
+        text = spec if spec.startswith("{") else Path(spec).read_text()
         return cls.from_mapping(json.loads(text))
+
+
+def _claim(path: str) -> bool:
+    """Delete path if it exists; True for the one caller whose delete succeeded."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _mix64(x: int) -> int:
@@ -193,7 +207,8 @@ class SimulatedRunner:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.engine_config = engine_config
         self.vocab_size = vocab_size
-        self.sim = sim_config if sim_config is not None else SimulatorConfig.from_env(os.environ)
+        self.sim = (sim_config if sim_config is not None
+                    else SimulatorConfig.from_spec(engine_config.simulator))
         self._sleep = sleep_fn
         self._clock = clock
         self._seeds: dict[str, int] = {}
@@ -247,6 +262,8 @@ class SimulatedRunner:
         output = RunnerOutput()
         if scheduler_output.is_empty:
             return output
+        if self.sim.fault_trigger_file is not None and _claim(self.sim.fault_trigger_file):
+            raise DeviceFaultError("simulated GPU fault (chaos trigger file)")
         modelled = self.step_time(scheduler_output)
         for s in scheduler_output.scheduled:
             if s.samples:

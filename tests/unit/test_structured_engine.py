@@ -162,9 +162,9 @@ def test_dead_end_finishes_only_its_request_and_frees_blocks(llm: LLM) -> None:
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
     ]
     dead_mid, dead_start, free = generate(llm, ["x", "y", "z"], params)
-    assert dead_mid[0].finish_reason == "abort" and "dead end" in dead_mid[0].error
+    assert dead_mid[0].finish_reason == "error" and "dead end" in dead_mid[0].error
     assert dead_mid[0].text == "a"  # what was valid is kept; the dead end's token is not sent
-    assert dead_start[0].finish_reason == "abort" and dead_start[0].text == ""
+    assert dead_start[0].finish_reason == "error" and dead_start[0].text == ""
     assert free[0].finish_reason == "length" and len(free[0].token_ids) == 8
 
 

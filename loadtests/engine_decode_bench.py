@@ -1,11 +1,12 @@
 """The engine's decode step on a GPU: a Llama-3.2-1B-shaped random bf16 model.
 
-    python -m iterserve.replica.bench_gpu [--out FILE]     (also run by iterserve.kernels.bench)
+    python -m iterserve.loadtests.engine_decode_bench [--out FILE]   (also run by kernel_bench)
 
 For batch 1, 16, 64 and 256 at a fixed context, it times the runner's step (input copy,
 forward, sampling) and the whole engine step (plus scheduling and detokenization), with CUDA
 graphs and eagerly, against the byte floor: weights plus the batch's KV read once, divided by
-the measured device-to-device copy bandwidth.
+the measured device-to-device copy bandwidth. Floor: the runner step with CUDA graphs within
+1.2x of it. Rows are kernel_bench's (section, case, measured, floor, verdict).
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def time_decode(engine: LLMEngine, batch: int) -> tuple[float, float]:
     return statistics.median(runner_ms), statistics.median(engine_ms)
 
 
-def bench_engine_decode(copy_bw: float) -> list[str]:
-    rows: dict[int, list[str]] = {b: [str(b)] for b in BATCHES}
+STEP_FLOOR_RATIO = 1.2
+
+
+def bench_engine_decode(copy_bw: float) -> list[list[object]]:
+    timings: dict[tuple[int, bool], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_model(Path(tmp) / "llama-3.2-1b-shape", arch="llama",
                              overrides=LLAMA_32_1B, with_weights=False)
@@ -96,24 +100,28 @@ def bench_engine_decode(copy_bw: float) -> list[str]:
             weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
             kv_per_token = runner.kv_bytes_per_block // runner.block_size
             for batch in BATCHES:
-                runner_ms, engine_ms = time_decode(engine, batch)
-                if not eager:
-                    floor_ms = (weight_bytes + batch * CONTEXT * kv_per_token) / copy_bw * 1000
-                    rows[batch] += [f"{floor_ms:.2f}", f"{runner_ms:.2f}",
-                                    f"{runner_ms / floor_ms:.2f}x", f"{engine_ms:.2f}"]
-                else:
-                    rows[batch] += [f"{runner_ms:.2f}", f"{engine_ms:.2f}"]
-                print(f"  batch {batch} {'eager' if eager else 'graphs'}: runner {runner_ms:.2f} ms, "
-                      f"engine {engine_ms:.2f} ms", flush=True)
+                timings[batch, eager] = time_decode(engine, batch)
+                print(f"  batch {batch} {'eager' if eager else 'graphs'}: runner "
+                      f"{timings[batch, eager][0]:.2f} ms, engine {timings[batch, eager][1]:.2f} ms",
+                      flush=True)
             del engine, runner
             gc.collect()
             torch.cuda.empty_cache()
-    header = ("| batch | byte floor ms | runner ms (graphs) | vs floor | engine step ms (graphs) "
-              "| runner ms (eager) | engine step ms (eager) |")
-    lines = [f"Llama-3.2-1B shape, random bf16 weights ({weight_bytes / 1e9:.2f} GB), context "
-             f"{CONTEXT}, greedy; median of {TIMED_STEPS} steps.", "", header,
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    return lines + ["| " + " | ".join(rows[b]) + " |" for b in BATCHES]
+    rows: list[list[object]] = []
+    for batch in BATCHES:
+        floor_ms = (weight_bytes + batch * CONTEXT * kv_per_token) / copy_bw * 1000
+        runner_ms, engine_ms = timings[batch, False]
+        eager_runner_ms, eager_engine_ms = timings[batch, True]
+        ratio = runner_ms / floor_ms
+        rows.append([
+            "engine decode step",
+            f"Llama-3.2-1B shape, batch {batch} x ctx {CONTEXT}, CUDA graphs",
+            f"{ratio:.2f}x byte floor ({runner_ms:.2f} ms vs {floor_ms:.2f} ms; engine step "
+            f"{engine_ms:.2f} ms; eager runner {eager_runner_ms:.2f} ms, engine {eager_engine_ms:.2f} ms)",
+            f"<= {STEP_FLOOR_RATIO}x",
+            "ok" if ratio <= STEP_FLOOR_RATIO else "BELOW FLOOR",
+        ])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("iterserve.replica.bench_gpu needs a CUDA GPU; none is visible.", file=sys.stderr)
+        print("engine_decode_bench needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
-    lines = [f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s.", ""] + bench_engine_decode(bandwidth)
+    rows = bench_engine_decode(bandwidth)
+    lines = [f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s.", "",
+             "| section | case | measured | floor | verdict |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
