@@ -56,6 +56,14 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The replica's engine settings: cpu_threads defaults to every core but one, so the
+    engine's matmuls leave a core to this node's HTTP proxy and ingress."""
+    from iterserve.replica.config import replica_cpu_threads
+
+    return {"cpu_threads": replica_cpu_threads(), **(engine_kwargs or {})}
+
+
 def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
     """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
     try:

@@ -24,7 +24,11 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
-from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, replica_actor_options
+from iterserve.deploy.replica import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    replica_actor_options,
+    replica_engine_kwargs,
+)
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
 from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
 from iterserve.replica.model_source import model_display_name
@@ -149,7 +153,8 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """Validates the engine settings now (raises ValueError), without loading a model."""
-        return EngineConfig.from_kwargs(model=self.model, **self.engine_kwargs)
+        return EngineConfig.from_kwargs(model=self.model,
+                                        **replica_engine_kwargs(self.engine_kwargs))
 
 
 def _lift_model(data: dict[str, Any], engine: dict[str, Any]) -> None:

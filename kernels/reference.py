@@ -68,21 +68,10 @@ def paged_attention(
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    # Decodes (one query each) go through batched matmuls, a few length groups at a time:
-    # one Python iteration per sequence and layer dominated the CPU step (see BENCHMARKS).
-    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if len(decodes) > 1:
-        rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-        picked = torch.tensor(decodes, device=query.device)
-        out[rows] = _grouped_decode_attention(query[rows], k_cache, v_cache, seq_lens[picked],
-                                              block_tables[picked], scale)
-        done = set(decodes)
-    else:
-        done = set()
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
-        if q_len == 0 or i in done:
+        if q_len == 0:
             continue
         keys = gather_context(k_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
         values = gather_context(v_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
@@ -100,64 +89,6 @@ def paged_attention(
         o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]
         o = o.view(num_kv_heads, group, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, num_heads, -1)
         out[q_start:q_end] = o.to(query.dtype)
-    return out
-
-
-def _length_groups(lens: list[int], max_padding: float = 2.0) -> list[list[int]]:
-    """Sequence indices grouped by context length, longest within `max_padding`x of shortest,
-    so padding each group to its longest wastes at most that factor of gathers and FLOPs."""
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and lens[i] <= max_padding * max(lens[groups[-1][0]], 1):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _padded_decode_attention(
-    query: torch.Tensor,  # [S, Hq, D]
-    k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
-    seq_lens: torch.Tensor,  # [S] int
-    block_tables: torch.Tensor,  # [S, M] int
-    max_len: int,
-    scale: float,
-) -> torch.Tensor:  # [S, Hq, D]
-    """One query per sequence over contexts padded to `max_len`; padding is masked out."""
-    num_seqs, num_heads = query.shape[0], query.shape[1]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].long().reshape(-1)  # [S * nb]
-    padded = num_blocks * block_size
-    keys = torch.index_select(k_cache, 0, blocks).view(num_seqs, padded, num_kv_heads, head_dim)
-    values = torch.index_select(v_cache, 0, blocks).view(num_seqs, padded, num_kv_heads, head_dim)
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, keys.float().permute(0, 2, 3, 1)) * scale  # [S, Hkv, group, L]
-    positions = torch.arange(padded, device=query.device)
-    beyond = positions[None, :] >= seq_lens.to(query.device).long()[:, None]  # [S, L]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.float().transpose(1, 2))  # [S, Hkv, group, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
-def _grouped_decode_attention(
-    query: torch.Tensor,  # [S, Hq, D]
-    k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
-    seq_lens: torch.Tensor,  # [S] int
-    block_tables: torch.Tensor,  # [S, M] int
-    scale: float,
-) -> torch.Tensor:  # [S, Hq, D]
-    lens = seq_lens.tolist()
-    out = torch.empty_like(query)
-    for group in _length_groups(lens):
-        index = torch.tensor(group, device=query.device)
-        out[index] = _padded_decode_attention(query[index], k_cache, v_cache, seq_lens[index],
-                                              block_tables[index], max(lens[i] for i in group),
-                                              scale)
     return out
 
 

@@ -9,6 +9,7 @@ max_num_seqs (max_batch_size), max_num_batched_tokens (max_num_tokens), enable_c
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,16 @@ def setting(default: Any, help: str, aliases: tuple[str, ...] = (),
     its aliases (TensorRT-LLM spellings, as kwargs and flags) and its help come from here."""
     return field(default=default, metadata={"help": help, "aliases": aliases,
                                             "choices": choices})
+
+
+def offline_cpu_threads() -> int:
+    """LLM()'s default: the whole machine is the offline job's."""
+    return os.cpu_count() or 1
+
+
+def replica_cpu_threads() -> int:
+    """A Serve replica's default: every core but one, left to the HTTP proxy and ingress."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -136,6 +147,10 @@ class EngineConfig:
     attention_backend: str = setting("auto", "attention and fused kernels (auto: triton on "
                                      "CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, "disable CUDA graphs for decode batches")
+    # replica/llm_engine.py; None is resolved (replica/resolve.py) to on exactly when the model
+    # runs on CUDA, where the GPU computes step N while the CPU plans step N+1.
+    async_scheduling: bool | None = setting(
+        None, "plan and prepare step N+1 while the GPU runs step N (default: on with CUDA)")
     runner: str = setting("model", "model, or simulated: the calibrated GPU cost model",
                           choices=RUNNERS)
     simulator: str | None = setting(
@@ -146,9 +161,11 @@ class EngineConfig:
     served_model_name: str | None = setting(
         None, "model name in the API (default: the model folder or file name)")
     max_logprobs: int = setting(20, "most logprobs a request may ask for")
-    # One by default: a tiny model's ops are too small to split, and spinning worker threads
-    # collapse throughput when other processes share the cores.
-    cpu_threads: int | None = setting(1, "torch intra-op threads on CPU (process-wide)")
+    # One for an engine embedded in another process; the entry points pass their own: LLM()
+    # every core (`offline_cpu_threads`), a Serve replica all but one (`replica_cpu_threads`),
+    # leaving a core to the ingress and proxy.
+    cpu_threads: int | None = setting(1, "torch intra-op threads on CPU (process-wide; "
+                                      "iterserve serve: every core but one)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -198,6 +215,7 @@ class EngineConfig:
         """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
         return (self.model is not None and self.served_model_name is not None
                 and "auto" not in (self.dtype, self.device, self.attention_backend)
+                and self.async_scheduling is not None
                 and self.scheduler.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None)
 

@@ -149,9 +149,16 @@ class DecodeGraphRunner:
         return (prepared.num_tokens <= self.sizes[-1]
                 and prepared.block_tables.shape[1] <= self.max_blocks)
 
-    def run(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [num_tokens, hidden]
+    def run(self, prepared: PreparedInputs,
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:  # -> [num_tokens, hidden]
+        """pending: (flat indices, token ids) on the device of decode inputs the previous
+        step is still sampling (async scheduling), written over the uploaded input ids."""
         n = prepared.num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.inputs.upload(prepared, size)
+        if pending is not None:  # async scheduling: inputs the previous step is sampling
+            where, token_ids = pending
+            self.inputs.views["input_ids"][where] = token_ids.to(torch.int32)
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from iterserve.replica.async_output import PendingOutput
 from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
@@ -19,7 +21,9 @@ from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
-from iterserve.replica.sampler import Sampler
+from iterserve.replica.request import Request
+from iterserve.replica.runner_base import CompletedStep, StepHandle
+from iterserve.replica.sampler import Sampler, index_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 0)
         self.sampler = Sampler(config.seed, self.device)
+        self._remember_sampled([], None)
         self._num_blocks = self._decide_num_blocks()
         shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                  self.model_config.head_dim)
@@ -140,16 +145,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        if scheduler_output.is_empty:
-            return RunnerOutput()
-        prepared = prepare_inputs(scheduler_output, self.block_size)
-        hidden = self._forward(prepared)  # [T, hidden]
         output = RunnerOutput()
-        if not prepared.sample_rows:
+        sampling = self._logits_to_sample(scheduler_output)
+        if sampling is None:
             return output
-        indices = torch.from_numpy(prepared.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
-        requests = [scheduler_output.scheduled[i].request for i in prepared.sample_rows]
+        requests, logits = sampling
         token_ids, logprobs, failed = self.sampler.sample(logits, requests)
         for row, (request, token_id, lp) in enumerate(zip(requests, token_ids, logprobs,
                                                            strict=True)):
@@ -160,6 +160,67 @@ class ModelRunner:
             if lp is not None:
                 output.logprobs[request.request_id] = lp
         return output
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Enqueue the step on the device and return at once (async scheduling).
+
+        The sampled ids stay on the device for the next step's pending decode inputs, and are
+        copied to pinned host memory behind an event for result(). On CPU the step simply
+        runs here."""
+        sampling = self._logits_to_sample(scheduler_output)
+        if sampling is None:
+            self._remember_sampled([], None)
+            return CompletedStep(RunnerOutput())
+        requests, logits = sampling
+        token_ids, log_probs, logprob_rows, failed = self.sampler.choose_tokens(logits, requests)
+        self._remember_sampled(requests, token_ids)
+        return PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
+
+    def _logits_to_sample(
+        self, scheduler_output: SchedulerOutput,
+    ) -> tuple[list[Request], torch.Tensor] | None:
+        """Run the forward pass; the requests that sample and their logits [S, V] fp32."""
+        if scheduler_output.is_empty:
+            return None
+        prepared = prepare_inputs(scheduler_output, self.block_size)
+        hidden = self._forward(prepared)  # [T, hidden]
+        if not prepared.sample_rows:
+            return None
+        indices = self._to_device(prepared.logits_indices)
+        logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
+        return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
+
+    def _remember_sampled(self, requests: list[Request], token_ids: torch.Tensor | None) -> None:
+        """Keep a launched step's sampled ids [S] on the device: the next step's decode
+        inputs that are still placeholders are filled from them, in stream order."""
+        self._last_sampled = token_ids
+        self._last_sampled_row = {r.request_id: i for i, r in enumerate(requests)}
+
+    def _input_ids(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [T] on the device
+        input_ids = self._to_device(prepared.input_ids)
+        pending = self._pending_inputs(prepared)
+        if pending is not None:
+            where, token_ids = pending
+            input_ids[where] = token_ids
+        return input_ids
+
+    def _pending_inputs(self, prepared: PreparedInputs
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat indices, token ids) on the device of the decode inputs the previous launched
+        step is still sampling (async scheduling); None when every input is known."""
+        if not prepared.pending_token_indices:
+            return None
+        rows = [self._last_sampled_row[rid] for rid in prepared.pending_request_ids]
+        where = index_on_device(prepared.pending_token_indices, self.device)
+        return where, self._last_sampled[index_on_device(rows, self.device)]
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for queued work (non-blocking)."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
     def _decode_kv_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
         """Split-KV ways for a batch's decode part (1 on the torch path: no split)."""
@@ -179,18 +240,17 @@ class ModelRunner:
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
-            return self.graphs.run(prepared)
-        to = self.device
+            return self.graphs.run(prepared, self._pending_inputs(prepared))
+        to_device = self._to_device
         attn = AttentionMetadata(
-            query_start_loc=torch.from_numpy(prepared.query_start_loc).to(to),
-            seq_lens=torch.from_numpy(prepared.seq_lens).to(to),
-            block_tables=torch.from_numpy(prepared.block_tables).to(to),
-            slot_mapping=torch.from_numpy(prepared.slot_mapping).to(to),
+            query_start_loc=to_device(prepared.query_start_loc),
+            seq_lens=to_device(prepared.seq_lens),
+            block_tables=to_device(prepared.block_tables),
+            slot_mapping=to_device(prepared.slot_mapping),
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
             **self._attention_launch_hints(prepared),
         )
-        input_ids = torch.from_numpy(prepared.input_ids).to(to)
-        positions = torch.from_numpy(prepared.positions).to(to)
-        return self.model(input_ids, positions, self.kv_caches, attn)
+        positions = to_device(prepared.positions)
+        return self.model(self._input_ids(prepared), positions, self.kv_caches, attn)

@@ -3,8 +3,9 @@
     resolve_engine_config(EngineConfig(...), cuda_available) -> EngineConfig (frozen, resolved)
 
 Made concrete: the model (a name or None -> the file or folder, replica/model_source.py), the
-served model name, the device, the dtype, the attention backend, max_model_len (bounded by the
-model and its sliding window) and max_num_batched_tokens. The deployment resolves its engine
+served model name, the device, the dtype, the attention backend, async scheduling (on exactly
+when the model runs on CUDA), max_model_len (bounded by the model and its sliding window) and
+max_num_batched_tokens. The deployment resolves its engine
 settings once on the driver and passes the resolved config down; the engine resolves what it
 is given, which changes nothing when it is already resolved (idempotent), so `/v1/models`
 shows the values the engine really uses. The number of KV blocks is not resolved here: it
@@ -42,7 +43,11 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
-    config = dataclasses.replace(config, device=device, dtype=dtype, attention_backend=backend)
+    overlap = config.async_scheduling
+    if overlap is None:  # overlapping pays where a GPU runs apart from the CPU
+        overlap = on_cuda and config.runner == "model"
+    config = dataclasses.replace(config, device=device, dtype=dtype, attention_backend=backend,
+                                 async_scheduling=overlap)
     try:
         model_path = resolve_model_path(config.model)
         model_config = read_model_config(model_path)

@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
-from iterserve.replica.errors import DeviceFaultError
+from iterserve.replica.errors import DeviceFaultError, is_device_fault
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from iterserve.replica.runner_base import CompletedStep, StepHandle
 
 GiB = 1024**3
 _MASK64 = (1 << 64) - 1
@@ -215,6 +216,7 @@ class SimulatedRunner:
         self._banned: dict[str, frozenset[int]] = {}
         self.total_simulated_s = 0.0  # sum of modelled step times (before time_scale)
         self.num_steps = 0
+        self._busy_until = 0.0  # when the last launched step ends on the simulated GPU
 
     # ---------------------------------------------------------------------------- memory
     @property
@@ -258,24 +260,41 @@ class SimulatedRunner:
         return self.sim.cost.step_time(*self.batch_shape(scheduler_output))
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Sample at once (microseconds of CPU) and return a step that completes when the
+        simulated GPU would: the modelled time after the later of now and the end of the
+        step before it, as kernels queue on one CUDA stream. Whatever the engine does on the
+        CPU before calling result() hides behind that time."""
         start = self._clock()
         output = RunnerOutput()
         if scheduler_output.is_empty:
-            return output
+            return CompletedStep(output)
         if self.sim.fault_trigger_file is not None and _claim(self.sim.fault_trigger_file):
             raise DeviceFaultError("simulated GPU fault (chaos trigger file)")
         modelled = self.step_time(scheduler_output)
         for s in scheduler_output.scheduled:
             if s.samples:
-                output.sampled_token_ids[s.request.request_id] = self._sample(s)
+                self._sample_into(output, s)
         self.total_simulated_s += modelled
         self.num_steps += 1
-        if self.sim.sleep:
-            # Sleep what is left of the modelled step after our own (tiny) CPU time.
-            remaining = modelled * self.sim.time_scale - (self._clock() - start)
-            if remaining > 0:
-                self._sleep(remaining)
-        return output
+        if not self.sim.sleep:
+            return CompletedStep(output)
+        # The step starts after our own (tiny) CPU time, or when the previous step ends.
+        done_at = max(start, self._busy_until) + modelled * self.sim.time_scale
+        self._busy_until = done_at
+        return SimulatedStep(output, done_at, self._clock, self._sleep)
+
+    def _sample_into(self, output: RunnerOutput, s: ScheduledRequest) -> None:
+        """One request's token; a failure ends that request alone (the engine reads errors)."""
+        request_id = s.request.request_id
+        try:
+            output.sampled_token_ids[request_id] = self._sample(s)
+        except Exception as error:  # noqa: BLE001 - reported per request; device faults raise
+            if is_device_fault(error):
+                raise
+            output.failed[request_id] = f"{type(error).__name__}: {error}"
 
     def release(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -302,7 +321,7 @@ class SimulatedRunner:
 
     def _sample(self, s: ScheduledRequest) -> int:
         seed = self._seed_for(s)
-        position = s.request.num_output_tokens  # index of the token being sampled
+        position = s.sample_position  # index of the token being sampled
         request = s.request
         banned = self._banned[request.request_id]
         if (
@@ -317,6 +336,23 @@ class SimulatedRunner:
         if len(banned) >= self.vocab_size:
             raise ValueError("every token id is an EOS or stop token; cannot sample")
         return sim_token(seed, position, self.vocab_size, banned)
+
+
+class SimulatedStep:
+    """A launched simulated step: its output is ready at `done_at` on the runner's clock."""
+
+    def __init__(self, output: RunnerOutput, done_at: float, clock: Callable[[], float],
+                 sleep: Callable[[float], None]) -> None:
+        self._output = output
+        self.done_at = done_at
+        self._clock = clock
+        self._sleep = sleep
+
+    def result(self) -> RunnerOutput:
+        remaining = self.done_at - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
+        return self._output
 
 
 def expected_decode_tokens_per_s(cost: CostModel, batch: int, context: int) -> float:

@@ -260,3 +260,17 @@ def test_aborting_a_request_that_waits_for_its_grammar(llm: LLM) -> None:
     assert [o.finish_reason for o in outputs] == ["abort", "abort"]
     assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
     engine.constrained.pool.cache.pop(spec)
+
+
+def test_async_scheduling_waits_for_each_grammar_token() -> None:
+    """Async scheduling plans step N+1 before step N's token is known; a grammar cannot, so
+    the engine runs synchronously while constrained requests are in it, and overlaps again
+    after."""
+    llm = LLM("iterserve-tiny", max_model_len=512, async_scheduling=True)
+    schemas = assorted_schemas(3, 4)
+    params = [schema_params(s, temperature=0.8, seed=i) for i, s in enumerate(schemas)]
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = generate(llm, [PROMPT] * 5, [*params, free])
+    for schema, (out,) in zip(schemas, outputs[:4], strict=True):
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len(outputs[4][0].token_ids) == 12
