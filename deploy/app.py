@@ -18,6 +18,7 @@ from iterserve.autoscale.router import request_router_config_dict
 from iterserve.deploy.ingress import OpenAIIngress
 from iterserve.deploy.replica import SHUTDOWN_SLACK_S, LLMReplica
 from iterserve.deploy.settings import AppArgs, AppSettings, coerce_engine_kwargs, resolve_app
+from iterserve.deploy.tool_calls import ToolSettings
 
 __all__ = ["APP_NAME", "AppArgs", "AppSettings", "build_app", "coerce_engine_kwargs",
            "resolve_app"]
@@ -61,4 +62,5 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
         api_key_file=app_args.api_key_file,
         max_body_bytes=app_args.max_body_bytes,
         model_aliases=tuple(app_args.model_aliases),
+        tools=ToolSettings.from_flags(app_args.chat_template, app_args.tool_call_parser),
     )

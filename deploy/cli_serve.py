@@ -34,7 +34,7 @@ logger = logging.getLogger("iterserve.serve")
 APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
              "max_ongoing_requests", "num_gpus_per_replica", "num_cpus_per_replica",
              "num_ingress_replicas", "api_key_file", "max_body_bytes", "drain_timeout_s",
-             "max_replicas_per_node", "metrics_prefix")
+             "max_replicas_per_node", "metrics_prefix", "chat_template", "tool_call_parser")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,6 +44,13 @@ from iterserve.deploy.schemas import (
     now_s,
     random_id,
 )
+from iterserve.deploy.tool_calls import (
+    ToolCallStream,
+    ToolOutputParser,
+    ToolSettings,
+    finish_reason_with_tools,
+    response_tool_calls,
+)
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -239,9 +246,11 @@ async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
 
 
 async def create_chat_completion(req: ChatCompletionRequest, client: EngineClient,
-                                 info: ModelInfo) -> JSONResponse | StreamingResponse:
+                                 info: ModelInfo, tools: ToolSettings | None = None
+                                 ) -> JSONResponse | StreamingResponse:
+    tools = tools or ToolSettings()
     tokenizer = await client.tokenizer()
-    ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info)
+    ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info, tools.chat_template)
     check_prompt(ids, info)
     params = sampling_params(req, len(ids), info)
     job = Job(random_id("chatcmpl"), now_s(), info.model_name, [ids], [params], req.n)
@@ -249,30 +258,36 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
     first = await _first(stream)
     token_text = TokenText(tokenizer)
     num_top = req.top_logprobs or 0
+    reader = ToolOutputParser.for_request(req, tools)
     if req.stream:
-        chunks = _chat_chunks(req, job, token_text, _replay(first, stream))
+        chunks = _chat_chunks(req, job, token_text, reader, _replay(first, stream))
         return _streaming_response(_sse_events(chunks, stream))
     states = {i: ChoiceState() for i in range(req.n)}
     usage = UsageCounter()
     async for _, out in _replay(first, stream):
         states[out.index].add(out)
         usage.add(0, out.index, out)
-    choices = [
-        ChatChoice(index=i, message=ChatResponseMessage(content=s.text),
-                   logprobs=chat_logprobs(s.logprobs, token_text, num_top)
-                   if req.logprobs else None,
-                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-        for i, s in states.items()
-    ]
+    choices = []
+    for i, s in states.items():
+        parsed = reader.parse(s.text)
+        message = ChatResponseMessage(content=parsed.content,
+                                      tool_calls=response_tool_calls(parsed))
+        choices.append(ChatChoice(
+            index=i, message=message,
+            logprobs=chat_logprobs(s.logprobs, token_text, num_top) if req.logprobs else None,
+            finish_reason=finish_reason_with_tools(s.finish_reason, parsed),
+            stop_reason=s.stop_reason))
     body = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
                                   choices=choices, usage=usage.usage())
     return JSONResponse(body.model_dump())
 
 
 async def _chat_chunks(req: ChatCompletionRequest, job: Job, token_text: TokenText,
-                       stream: AsyncIterator[Indexed]) -> AsyncIterator[str]:
+                       reader: ToolOutputParser, stream: AsyncIterator[Indexed]
+                       ) -> AsyncIterator[str]:
     usage = UsageCounter()
     started: set[int] = set()
+    texts = {i: ToolCallStream(reader) for i in range(req.n)}
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     num_top = req.top_logprobs or 0
 
@@ -290,13 +305,19 @@ async def _chat_chunks(req: ChatCompletionRequest, job: Job, token_text: TokenTe
                                          delta=DeltaMessage(role="assistant", content="")))
         logprobs = (chat_logprobs(out.logprobs, token_text, num_top)
                     if req.logprobs and out.logprobs else None)
-        if out.new_text or logprobs is not None:
-            yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.new_text),
+        content = texts[out.index].content_delta(out.new_text)
+        if content or logprobs is not None:
+            yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=content),
                                          logprobs=logprobs))
         if out.finished:
-            yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(),
-                                         finish_reason=out.finish_reason,
-                                         stop_reason=out.stop_reason))
+            rest, tool_deltas, parsed = texts[out.index].finish()
+            if rest or tool_deltas:
+                yield chunk(ChatStreamChoice(index=out.index, delta=DeltaMessage(
+                    content=rest or None, tool_calls=tool_deltas or None)))
+            yield chunk(ChatStreamChoice(
+                index=out.index, delta=DeltaMessage(),
+                finish_reason=finish_reason_with_tools(out.finish_reason, parsed),
+                stop_reason=out.stop_reason))
     if req.include_usage:
         final = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
                                     choices=[], usage=usage.usage())

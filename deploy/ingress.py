@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 from iterserve.deploy.auth import load_api_keys
 from iterserve.deploy.engine_client import HandleEngineClient
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES, IngressSettings, create_app
+from iterserve.deploy.tool_calls import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ class OpenAIIngress:
         api_key_file: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         model_aliases: tuple[str, ...] = (),
+        tools: ToolSettings | None = None,
     ) -> None:
         keys = load_api_keys(api_keys, api_key_file)
         self._settings = IngressSettings(api_keys=keys, max_body_bytes=max_body_bytes,
-                                         model_aliases=tuple(model_aliases))
+                                         model_aliases=tuple(model_aliases),
+                                         tools=tools or ToolSettings())
         self._client = HandleEngineClient(engine)
         logger.info("OpenAIIngress ready: %r", self._settings)
 

@@ -21,8 +21,11 @@ from iterserve.deploy.schemas import (
     TopLogprob,
     UsageInfo,
 )
+from iterserve.deploy.structured_request import output_constraints
+from iterserve.deploy.tool_calls import forced_tool_spec, rendered_tools
 from iterserve.replica.outputs import RequestOutput, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.tokenizer import compile_chat_template
 
 
 class Tokenizer(Protocol):
@@ -32,8 +35,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -100,18 +103,43 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
-                info: ModelInfo | None = None) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                info: ModelInfo | None = None, chat_template: str | None = None) -> list[int]:
+    """chat_template (--chat-template) replaces the model's own template when given."""
+    messages = [m.template_fields() for m in req.messages]
     if info is not None:
         check_text_size([m["content"] for m in messages], info, tokenizer, "messages")
+    tools = rendered_tools(req, chat_template or getattr(tokenizer, "chat_template", None))
+    extra = {"tools": tools} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt)
+        if chat_template is None:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **extra)
+        else:
+            text = _render_override(chat_template, tokenizer, messages,
+                                    req.add_generation_prompt, extra)
     except (ValueError, TypeError, KeyError) as error:  # template rejected the conversation
         raise bad_request(f"messages: the chat template rejected them: {error}",
                           param="messages") from error
     # The template already carries the special tokens (BOS ...): don't add them twice.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render_override(source: str, tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                     add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+    import jinja2
+
+    try:
+        return _compiled(source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=getattr(tokenizer, "bos_token", None) or "",
+            eos_token=getattr(tokenizer, "eos_token", None) or "", **extra)
+    except jinja2.TemplateError as error:
+        raise ValueError(f"the chat template failed: {error}") from error
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(source: str) -> Any:
+    return compile_chat_template(source)
 
 
 def check_prompt(token_ids: list[int], info: ModelInfo) -> None:
@@ -156,10 +184,12 @@ def sampling_params(
         max_tokens = resolve_max_tokens(req.effective_max_tokens(), prompt_len, info, param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         _check_logprobs(logprobs, info, "top_logprobs")
+        constraints = output_constraints(req, info.vocab_size, forced_tool_spec(req))
     else:
         max_tokens = resolve_max_tokens(req.max_tokens, prompt_len, info)
         logprobs = req.logprobs
         _check_logprobs(logprobs, info, "logprobs")
+        constraints = output_constraints(req, info.vocab_size)
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens}).",
                           param="min_tokens")
@@ -182,6 +212,7 @@ def sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            **constraints.as_kwargs(),
         )
     except ValueError as error:
         raise bad_request(str(error)) from error

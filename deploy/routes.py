@@ -39,6 +39,7 @@ from iterserve.deploy.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from iterserve.deploy.tool_calls import ToolSettings
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -86,8 +87,10 @@ def _metrics_text() -> tuple[bytes, str]:
 
 
 def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
-               require_api_key: Callable[[Request], None]) -> APIRouter:
-    """Every route that needs a key."""
+               require_api_key: Callable[[Request], None],
+               tools: ToolSettings | None = None) -> APIRouter:
+    """Every route that needs a key; `tools` are --chat-template and --tool-call-parser."""
+    tools = tools or ToolSettings()
     router = APIRouter(dependencies=[Depends(require_api_key)])
     model_aliases = tuple(model_aliases)
 
@@ -103,7 +106,7 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
         body = await read_body(request, ChatCompletionRequest, limit)
         info = await client.model_info()
         check_model(body.model, info, model_aliases)
-        return await create_chat_completion(body, client, info)
+        return await create_chat_completion(body, client, info, tools)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -125,7 +128,7 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
-            ids = chat_prompt(chat, tokenizer)
+            ids = chat_prompt(chat, tokenizer, chat_template=tools.chat_template)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         out = TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)

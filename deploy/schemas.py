@@ -9,6 +9,7 @@ max_model_len) are checked in `deploy/protocol.py`.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -82,6 +83,15 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Output constraints, checked in deploy/structured_request.py (a 400 on a bad one).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM extras ...
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # ... and their newer spelling
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM extras
     top_k: int = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -115,8 +125,6 @@ class _SamplingFields(_Body):
             raise ValueError(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -222,10 +230,38 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool calls with parsed arguments)."""
+        fields: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            fields["name"] = self.name
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            fields["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        return fields
 
     def text(self) -> str:
         """The message's text; only text content parts are supported."""
@@ -241,25 +277,50 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object",
+                                                                "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError("tool_choice must be none, auto, required or "
+                                 "{'type': 'function', 'function': {'name': ...}}")
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools")
         for message in self.messages:
             message.text()  # raises for unsupported content parts
         return self
@@ -285,6 +346,19 @@ class ChatLogprobs(_Out):
 class ChatResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(_Out):
@@ -308,6 +382,7 @@ class ChatCompletionResponse(_Out):
 class DeltaMessage(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Out):

@@ -26,6 +26,7 @@ from iterserve.deploy.errors import (
     unauthorized,
 )
 from iterserve.deploy.routes import api_router, open_router
+from iterserve.deploy.tool_calls import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class IngressSettings:
     api_keys: tuple[SecretStr, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     model_aliases: tuple[str, ...] = field(default=())  # extra names accepted as `model`
+    tools: ToolSettings = field(default_factory=ToolSettings)  # --chat-template, --tool-call-parser
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -61,7 +63,7 @@ def create_app(client: EngineClient, settings: IngressSettings | None = None) ->
     install_error_handlers(app)
     app.include_router(open_router())
     app.include_router(api_router(client, settings.max_body_bytes, settings.model_aliases,
-                                  require_api_key(settings)))
+                                  require_api_key(settings), settings.tools))
     return app
 
 

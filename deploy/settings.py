@@ -126,6 +126,10 @@ class AppArgs(BaseModel):
     metrics_prefix: MetricPrefix = Field(
         DEFAULT_PREFIX, description="metric names: iterserve's, vLLM's exact names (vllm:), "
         "or promtool-clean (iterserve_)")
+    chat_template: str | None = Field(None, description="chat template replacing the "
+                                      "model's: tool_chatml, tool_llama3_json or a .jinja file")
+    tool_call_parser: str | None = Field(None, description="how tool calls are read from "
+                                         "the output: hermes (default) or llama3_json")
 
     @model_validator(mode="before")
     @classmethod

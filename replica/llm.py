@@ -20,6 +20,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None  # a constrained request's dead end
 
 
 @dataclass
@@ -75,3 +76,4 @@ def _accumulate(target: CompletionOutput, delta: RequestOutput) -> None:
     if delta.finished:
         target.finish_reason = delta.finish_reason
         target.stop_reason = delta.stop_reason
+        target.error = delta.error

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.constrained_requests import ConstrainedRequests
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
@@ -57,6 +58,7 @@ from iterserve.replica.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 2.0  # window of the step_token_rate signal
+GRAMMAR_WAIT_S = 0.02  # how long an otherwise idle step waits for a grammar to compile
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -83,6 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
                                    plans_ahead=bool(config.async_scheduling))
         self._in_flight: InFlightStep | None = None  # async scheduling: the launched step
+        self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
+                                               sorted(self.eos_token_ids))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
@@ -126,6 +130,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        self.constrained.check(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
             Request(
@@ -141,9 +146,10 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.scheduler.check_fits(children[0])
-        self.scheduler.add_request(children[0])
-        if len(children) > 1:
-            self.pending_children[request_id] = children[1:]
+        if self.constrained.attach(children, params):
+            self.constrained.hold(request_id, children)  # joins the scheduler once compiled
+        else:
+            self._schedule_children(request_id, children)
         self.children[request_id] = [c.request_id for c in children]
         for child in children:
             self.detokenizers[child.request_id] = IncrementalDetokenizer(
@@ -151,6 +157,11 @@ class LLMEngine:
                 params.include_stop_str_in_output,
             )
         return request_id
+
+    def _schedule_children(self, request_id: str, children: list[Request]) -> None:
+        self.scheduler.add_request(children[0])
+        if len(children) > 1:
+            self.pending_children[request_id] = children[1:]
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -176,7 +187,8 @@ class LLMEngine:
 
     def _end_request(self, request_id: str, reason: str) -> list[RequestOutput]:
         outputs = []
-        for child in self.pending_children.pop(request_id, []):
+        held = self.constrained.release(request_id) + self.pending_children.pop(request_id, [])
+        for child in held:
             outputs.append(self._final_abort_output(child, reason))
         for child_id in self.children.get(request_id, []):
             request = self.scheduler.abort_request(child_id)
@@ -193,7 +205,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.pending_children)
-                or self._in_flight is not None)
+                or bool(self.constrained.held) or self._in_flight is not None)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -203,7 +215,8 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         """Requests not yet running: queued (preempted ones included) or held back as later
         children of an n > 1 request. The count `stats()` reports and admission bounds."""
-        return self.scheduler.num_waiting + sum(map(len, self.pending_children.values()))
+        return (self.scheduler.num_waiting + sum(map(len, self.pending_children.values()))
+                + self.constrained.num_held)  # and those whose grammar is compiling
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -213,12 +226,19 @@ class LLMEngine:
         row, its detokenization) ends that request alone with finish_reason "error"; its batch
         mates' tokens stand. Only a device fault (`is_device_fault`) escapes, and stops the loop.
         """
-        if self.config.async_scheduling:
-            return self._step_overlapped()
+        admitted = self._admit_compiled_grammars()
+        if self.config.async_scheduling and not self._has_running_grammars():
+            return admitted + self._step_overlapped()
+        # A grammar's next bitmask needs the token just sampled: no step may run ahead.
+        outputs = admitted + self.finish_in_flight()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
-        return self._finish_step(start, scheduler_output, runner_output)
+        return outputs + self._finish_step(start, scheduler_output, runner_output)
+
+    def _has_running_grammars(self) -> bool:
+        return any(r.constraint is not None and r.constraint.grammar is not None
+                   for r in self.scheduler.requests.values())
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Plan and launch step N+1, then finish step N while the device runs N+1."""
@@ -263,6 +283,7 @@ class LLMEngine:
                   if s.request.request_id in runner_output.failed and not s.request.is_finished]
         outputs = [self._fail(r, runner_output.failed[r.request_id]) for r in failed]
         updated = self.scheduler.update(scheduler_output, runner_output)
+        self._advance_grammars(updated)
         outputs += [self._detokenize_or_fail(r, runner_output) for r in updated]
         self._release_pending_children()
         finished = [r for r in updated if r.is_finished] + failed
@@ -272,6 +293,34 @@ class LLMEngine:
             self._count_finished(request, request.finish_reason or FINISH_REASON_ERROR)
         self._record(start, scheduler_output, updated)
         return outputs
+
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Schedule requests whose grammar compiled; end those whose grammar failed."""
+        if not self.constrained.held:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.constrained.wait_for_any(GRAMMAR_WAIT_S)
+        failed = []
+        for parent_id, children, error in self.constrained.take_compiled():
+            if error is None:
+                self._schedule_children(parent_id, children)
+                continue
+            for child in children:
+                child.constraint.error = error
+                child.status = RequestStatus.FINISHED_ERROR
+                failed.append(self._output(child, [], "", None))
+            self._forget(parent_id)
+        return failed
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Matchers take the sampled token; a dead end finishes its request alone."""
+        dead, complete = self.constrained.advance(updated)
+        for request in dead:
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        for request in complete:
+            if not request.is_finished:  # e.g. ignore_eos: the grammar has nothing left
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run the batch; if a batched operation raises, run each request alone to find which
@@ -314,6 +363,9 @@ class LLMEngine:
             return self._fail(request, f"{type(error).__name__}: {error}")
 
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
+        if request.constraint is not None and request.constraint.error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            return self._output(request, [], "", None)  # the dead end's token is not sent
         token_id = request.output_token_ids[-1]
         detokenizer = self.detokenizers[request.request_id]
         text, matched_stop = detokenizer.add([token_id])
@@ -341,6 +393,7 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
+            error=request.constraint.error if request.constraint is not None else None,
         )
 
     def _release_pending_children(self) -> None:

@@ -129,4 +129,4 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    error: str | None = None
+    error: str | None = None  # why this request alone failed (a fault, a grammar dead end)

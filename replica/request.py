@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from iterserve.replica.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.replica.logit_controls import RequestConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +62,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    # Grammar matcher and logit controls, one per child; None costs the sampler nothing.
+    constraint: RequestConstraint | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

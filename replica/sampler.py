@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from iterserve.replica.errors import is_device_fault
+from iterserve.replica.logit_controls import apply_constraints
 from iterserve.replica.outputs import TokenLogprobs
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class Sampler:
         for row, request in enumerate(requests):
             with _row_of(failed, row):
                 self._apply_penalties(logits[row], request)
+        apply_constraints(logits, requests)  # logit_bias, allowed ids, bad words, grammar
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         if len(greedy_rows) == len(requests):
             token_ids = logits.argmax(dim=-1)  # [S]

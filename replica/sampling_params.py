@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from iterserve.replica.structured_spec import StructuredSpec
 
 # A seed seeds a torch.Generator, which takes a 64-bit integer: vLLM bounds it by
 # torch.iinfo(torch.long). Children of an n > 1 request add their index, which still fits.
@@ -35,13 +38,38 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Output constraints (replica/structured_output.py, replica/logit_controls.py).
+    structured: StructuredSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict works
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._normalize_logit_controls()
         self._validate()
+
+    def _normalize_logit_controls(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids",
+                               tuple(int(t) for t in self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
+    def has_constraint(self) -> bool:
+        """Whether the sampler must look at this request beyond penalties and temperature."""
+        return self.structured is not None or self.has_logit_controls
 
     def _validate(self) -> None:
         checks = [
@@ -66,6 +94,13 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
+            (self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids >= 0"),
+            (all(isinstance(w, str) and w for w in self.bad_words),
+             "bad_words must be non-empty strings"),
         ]
         for ok, message in checks:
             if not ok:
