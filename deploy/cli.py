@@ -32,8 +32,6 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "serve a model behind the OpenAI-compatible API on Ray Serve"),
     "make-model": ("iterserve.deploy.cli", "make_model",
                    "write a tiny random-weight checkpoint: iterserve make-model DIR --seed N"),
-    "bench": ("iterserve.loadtests.bench", "main",
-              "static vs continuous batching over HTTP on one seeded workload"),
     "dashboards": ("iterserve.dashboards.cli", "main",
                    "Grafana dashboards: `generate` the JSON, `push` it with grafana-client"),
 }
@@ -66,11 +64,20 @@ def resolve(name: str) -> Runner | None:
     return entry.load() if entry is not None else None
 
 
+def _entry_help(entry: metadata.EntryPoint) -> str:
+    """The first line of the entry point's docstring (imported for `--help` only)."""
+    try:
+        doc = entry.load().__doc__ or ""
+    except ImportError as error:
+        return f"(unavailable: {error})"
+    return doc.strip().splitlines()[0] if doc.strip() else f"(from {entry.value})"
+
+
 def usage() -> str:
     lines = ["usage: iterserve <command> [options]", "", "commands:"]
     commands = {name: help_ for name, (_, _, help_) in SUBCOMMANDS.items()}
     for name, entry in _entry_points().items():
-        commands.setdefault(name, f"(from {entry.value})")
+        commands.setdefault(name, _entry_help(entry))
     width = max(len(n) for n in commands) + 2
     lines += [f"  {name.ljust(width)}{help_}" for name, help_ in sorted(commands.items())]
     lines += ["", "Run `iterserve <command> --help` for a command's options."]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
+from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.policy import autoscaling_env_vars, serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config
 from iterserve.loadtests.sim_harness import (
@@ -33,7 +34,6 @@ from iterserve.loadtests.sim_harness import (
     ReplicaStatsPoller,
     RequestSpec,
     drive,
-    percentile,
     replica_app,
     start_ray,
 )

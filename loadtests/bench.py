@@ -250,6 +250,7 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
+    """static vs continuous batching over HTTP on one seeded workload"""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     results = run_benchmark(args, argv)

@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests.sim_harness import (
     RESULTS_DIR,
     ReplicaStatsPoller,
     RequestRecord,
     RequestSpec,
     drive,
-    percentile,
     replica_app,
     start_ray,
 )

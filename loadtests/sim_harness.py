@@ -8,7 +8,6 @@ and `replica_app` (deploy's LLMReplica with a chosen router and autoscaling), `p
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 import zlib
@@ -210,11 +209,3 @@ def replica_app(engine_kwargs: dict[str, Any], num_replicas: int | None = None,
                                               drain_timeout_s)
 
 
-# ------------------------------------------------------------------------------ metrics
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
