@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.constrained_requests import ConstrainedRequests
 from iterserve.replica.detokenizer import IncrementalDetokenizer
+from iterserve.replica.engine_stats import EngineStatsReporting
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
@@ -47,17 +47,11 @@ from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.stats import (
     FINISH_REASON_ABORT,
     FINISH_REASON_ERROR,
-    FINISH_REASONS,
-    EngineStats,
-    FinishedRequestStats,
-    IterationStats,
-    StatLogger,
 )
 from iterserve.replica.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 2.0  # window of the step_token_rate signal
 GRAMMAR_WAIT_S = 0.02  # how long an otherwise idle step waits for a grammar to compile
 
 
@@ -65,7 +59,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
-class LLMEngine:
+class LLMEngine(EngineStatsReporting):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         config = resolve_engine_config(config)  # unchanged when the deployment resolved it
         model_path = Path(config.model)
@@ -90,13 +84,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
-        self.stat_loggers: list[StatLogger] = []
-        # Every request that ends is counted once, under its reason, when it ends; the stats
-        # of those that ended outside a step (aborts, failures) wait for the next record.
-        self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
-        self._unlogged_finished: list[FinishedRequestStats] = []
-        self._recent_steps: deque[tuple[float, int]] = deque()
-        self._last_step_tokens = 0
+        self.init_stats()
         self._ids = itertools.count()
 
     @staticmethod
@@ -418,80 +406,6 @@ class LLMEngine:
         for child_id in self.children.pop(request_id, []):
             self.detokenizers.pop(child_id, None)
 
-    # ----------------------------------------------------------------------------- stats
-    def add_stat_logger(self, stat_logger: StatLogger) -> None:
-        self.stat_loggers.append(stat_logger)
-
-    def stats(self) -> EngineStats:
-        now = self.clock()
-        while self._recent_steps and now - self._recent_steps[0][0] > RATE_WINDOW_S:
-            self._recent_steps.popleft()
-        recent_tokens = sum(tokens for _, tokens in self._recent_steps)
-        manager = self.block_manager
-        return EngineStats(
-            timestamp=time.time(),
-            num_running=self.scheduler.num_running,
-            num_waiting=self.num_waiting_requests,
-            num_total_blocks=manager.num_total_blocks,
-            num_free_blocks=manager.num_free_blocks,
-            kv_usage=manager.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_out_of_blocks=self.scheduler.num_out_of_blocks,
-            last_step_tokens=self._last_step_tokens,
-            step_token_rate=recent_tokens / RATE_WINDOW_S,
-            prefix_cache_queries=manager.prefix_queries,
-            prefix_cache_hits=manager.prefix_hits,
-            max_waiting_requests=self.config.scheduler.max_waiting_requests,
-            finished_by_reason=dict(self.finished_by_reason),
-        )
-
-    def _count_finished(self, request: Request, reason: str) -> None:
-        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-        if self.stat_loggers:
-            self._unlogged_finished.append(finished_request_stats(request, reason))
-
-    def _take_unlogged_finished(self) -> list[FinishedRequestStats]:
-        finished, self._unlogged_finished = self._unlogged_finished, []
-        return finished
-
-    def log_idle_stats(self) -> None:
-        """The stats tick of an engine that ran no step: gauges show the engine as it is now
-        (not as the last step left it), and requests that ended since are counted."""
-        if not self.stat_loggers:
-            return
-        snapshot = self.stats()
-        iteration = IterationStats.idle(snapshot.timestamp)
-        finished = self._take_unlogged_finished()
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(snapshot, iteration, finished)
-
-    def _record(self, start: float, output: SchedulerOutput, updated: list[Request]) -> None:
-        now = self.clock()
-        self._last_step_tokens = output.num_batched_tokens
-        self._recent_steps.append((now, output.num_batched_tokens))
-        if not self.stat_loggers:
-            return
-        ttfts, itls = [], []
-        for request in updated:
-            if request.num_output_tokens == 1:
-                ttfts.append(request.first_token_time - request.arrival_time)
-            elif len(request.token_times) >= 2:
-                itls.append(request.token_times[-1] - request.token_times[-2])
-        iteration = IterationStats(
-            timestamp=time.time(),
-            step_time_s=now - start,
-            num_prompt_tokens=output.num_prefill_tokens,
-            num_generation_tokens=len(updated),
-            num_scheduled_requests=len(output.scheduled),
-            num_preempted=len(output.preempted),
-            time_to_first_tokens_s=ttfts,
-            inter_token_latencies_s=itls,
-        )
-        finished_stats = self._take_unlogged_finished()
-        snapshot = self.stats()
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(snapshot, iteration, finished_stats)
-
 
 @dataclasses.dataclass(frozen=True)
 class InFlightStep:
@@ -500,20 +414,3 @@ class InFlightStep:
     start: float
     scheduler_output: SchedulerOutput
     handle: StepHandle
-
-
-def finished_request_stats(request: Request, reason: str | None = None) -> FinishedRequestStats:
-    end = request.finished_time or request.arrival_time
-    admitted = request.admitted_time or end
-    first = request.first_token_time
-    return FinishedRequestStats(
-        finish_reason=reason or request.finish_reason or "abort",
-        e2e_latency_s=end - request.arrival_time,
-        queue_time_s=admitted - request.arrival_time,
-        prefill_time_s=(first - admitted) if first is not None else 0.0,
-        decode_time_s=(end - first) if first is not None else 0.0,
-        time_to_first_token_s=(first - request.arrival_time) if first is not None else None,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_generation_tokens=request.num_output_tokens,
-        max_tokens=request.sampling_params.max_tokens,
-    )

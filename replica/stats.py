@@ -8,7 +8,10 @@ the iteration just run (`IterationStats`) and one record per request that finish
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from iterserve.replica.request import Request
 
 # How a request ended: vLLM's finish reasons, plus "error" (it failed in the engine).
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -75,3 +78,21 @@ class StatLogger(Protocol):
         iteration: IterationStats,
         finished: list[FinishedRequestStats],
     ) -> None: ...
+
+
+def finished_request_stats(request: Request, reason: str | None = None) -> FinishedRequestStats:
+    """The latencies and token counts of a request that ended (reason: why, if not its own)."""
+    end = request.finished_time or request.arrival_time
+    admitted = request.admitted_time or end
+    first = request.first_token_time
+    return FinishedRequestStats(
+        finish_reason=reason or request.finish_reason or "abort",
+        e2e_latency_s=end - request.arrival_time,
+        queue_time_s=admitted - request.arrival_time,
+        prefill_time_s=(first - admitted) if first is not None else 0.0,
+        decode_time_s=(end - first) if first is not None else 0.0,
+        time_to_first_token_s=(first - request.arrival_time) if first is not None else None,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_generation_tokens=request.num_output_tokens,
+        max_tokens=request.sampling_params.max_tokens,
+    )

@@ -1,0 +1,123 @@
+"""What an LLMEngine reports: `stats()` snapshots and what its stat loggers see.
+
+A mixin of LLMEngine (the seam between stepping and reporting): it reads the engine's
+scheduler, block manager, config and clock, and keeps its own counters, set by `init_stats`.
+Every request that ends is counted once, under its reason, when it ends; the stats of those
+that ended outside a step (aborts, failures) wait for the next record (a step or an idle
+tick), so /metrics agrees with the engine whether it steps or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from iterserve.replica.outputs import SchedulerOutput
+from iterserve.replica.request import Request
+from iterserve.replica.stats import (
+    FINISH_REASONS,
+    EngineStats,
+    FinishedRequestStats,
+    IterationStats,
+    StatLogger,
+    finished_request_stats,
+)
+
+if TYPE_CHECKING:
+    from iterserve.replica.block_manager import BlockManager
+    from iterserve.replica.config import EngineConfig
+    from iterserve.replica.scheduler import Scheduler
+
+RATE_WINDOW_S = 2.0  # window of the step_token_rate signal
+
+
+class EngineStatsReporting:
+    scheduler: Scheduler
+    block_manager: BlockManager
+    config: EngineConfig
+    clock: Callable[[], float]
+    num_waiting_requests: int  # LLMEngine's property (held requests included)
+
+    def init_stats(self) -> None:
+        self.stat_loggers: list[StatLogger] = []
+        self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self._unlogged_finished: list[FinishedRequestStats] = []
+        self._recent_steps: deque[tuple[float, int]] = deque()
+        self._last_step_tokens = 0
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.stat_loggers.append(stat_logger)
+
+    def stats(self) -> EngineStats:
+        now = self.clock()
+        while self._recent_steps and now - self._recent_steps[0][0] > RATE_WINDOW_S:
+            self._recent_steps.popleft()
+        recent_tokens = sum(tokens for _, tokens in self._recent_steps)
+        manager = self.block_manager
+        return EngineStats(
+            timestamp=time.time(),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.num_waiting_requests,
+            num_total_blocks=manager.num_total_blocks,
+            num_free_blocks=manager.num_free_blocks,
+            kv_usage=manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_out_of_blocks=self.scheduler.num_out_of_blocks,
+            last_step_tokens=self._last_step_tokens,
+            step_token_rate=recent_tokens / RATE_WINDOW_S,
+            prefix_cache_queries=manager.prefix_queries,
+            prefix_cache_hits=manager.prefix_hits,
+            max_waiting_requests=self.config.scheduler.max_waiting_requests,
+            finished_by_reason=dict(self.finished_by_reason),
+        )
+
+    def _count_finished(self, request: Request, reason: str) -> None:
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        if self.stat_loggers:
+            self._unlogged_finished.append(finished_request_stats(request, reason))
+
+    def _take_unlogged_finished(self) -> list[FinishedRequestStats]:
+        finished, self._unlogged_finished = self._unlogged_finished, []
+        return finished
+
+    def log_idle_stats(self) -> None:
+        """The stats tick of an engine that ran no step: gauges show the engine as it is now
+        (not as the last step left it), and requests that ended since are counted."""
+        if not self.stat_loggers:
+            return
+        snapshot = self.stats()
+        iteration = IterationStats.idle(snapshot.timestamp)
+        finished = self._take_unlogged_finished()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration, finished)
+
+    def _record(self, start: float, output: SchedulerOutput, updated: list[Request]) -> None:
+        now = self.clock()
+        self._last_step_tokens = output.num_batched_tokens
+        self._recent_steps.append((now, output.num_batched_tokens))
+        if not self.stat_loggers:
+            return
+        ttfts, itls = [], []
+        for request in updated:
+            if request.num_output_tokens == 1:
+                ttfts.append(request.first_token_time - request.arrival_time)
+            elif len(request.token_times) >= 2:
+                itls.append(request.token_times[-1] - request.token_times[-2])
+        iteration = IterationStats(
+            timestamp=time.time(),
+            step_time_s=now - start,
+            num_prompt_tokens=output.num_prefill_tokens,
+            num_generation_tokens=len(updated),
+            num_scheduled_requests=len(output.scheduled),
+            num_preempted=len(output.preempted),
+            time_to_first_tokens_s=ttfts,
+            inter_token_latencies_s=itls,
+        )
+        finished_stats = self._take_unlogged_finished()
+        snapshot = self.stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration, finished_stats)
+
+
