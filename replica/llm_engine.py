@@ -103,8 +103,10 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        for name, num in (("logprobs", params.logprobs),
+                          ("prompt_logprobs", params.prompt_logprobs)):
+            if num is not None and num > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {num}")
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
             Request(
@@ -171,6 +173,7 @@ class LLMEngine:
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
+        self._record_prompt_logprobs(runner_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
         outputs = [self._detokenize(r, runner_output) for r in updated]
         self._release_pending_children()
@@ -180,6 +183,13 @@ class LLMEngine:
             self._forget_child(request)
         self._record(start, scheduler_output, updated, finished)
         return outputs
+
+    def _record_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
+        """Keep each chunk's prompt logprobs on its request (before update can finish it)."""
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.record_prompt_logprobs(chunk)
 
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
         token_id = request.output_token_ids[-1]
@@ -191,7 +201,10 @@ class LLMEngine:
         if request.is_finished and matched_stop is None:
             text += detokenizer.flush()
         logprobs = runner_output.logprobs.get(request.request_id)
-        return self._output(request, [token_id], text, [logprobs] if logprobs else None)
+        output = self._output(request, [token_id], text, [logprobs] if logprobs else None)
+        if request.wants_prompt_logprobs and request.num_output_tokens == 1:
+            output.prompt_logprobs = list(request.prompt_logprobs)
+        return output
 
     def _output(self, request: Request, token_ids: list[int], text: str,
                 logprobs: list | None) -> RequestOutput:

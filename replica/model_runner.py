@@ -19,6 +19,7 @@ from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
+from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from iterserve.replica.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class ModelRunner:
         prepared = prepare_inputs(scheduler_output, self.block_size)
         hidden = self._forward(prepared)  # [T, hidden]
         output = RunnerOutput()
+        self._score_prompt_logprobs(scheduler_output, prepared, hidden, output)
         if not prepared.sample_rows:
             return output
         indices = torch.from_numpy(prepared.logits_indices).to(self.device)
@@ -156,6 +158,15 @@ class ModelRunner:
             if lp is not None:
                 output.logprobs[request.request_id] = lp
         return output
+
+    def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
+                               prepared: PreparedInputs, hidden: torch.Tensor,
+                               output: RunnerOutput) -> None:
+        """Prompt logprobs for this step's chunks of the requests that ask for them."""
+        jobs = plan_prompt_logprobs(scheduler_output.scheduled, prepared.query_start_loc)
+        if jobs:
+            output.prompt_logprobs = compute_prompt_logprobs(hidden, self.model.compute_logits,
+                                                             jobs)
 
     def _use_split_kv(self, prepared: PreparedInputs) -> bool:
         return prepared.is_decode_only and self._split_kv_for(len(prepared.seq_lens),
