@@ -34,6 +34,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                    "write a tiny random-weight checkpoint: iterserve make-model DIR --seed N"),
     "bench": ("iterserve.loadtests.bench", "main",
               "static vs continuous batching over HTTP on one seeded workload"),
+    "export-tokenizer": ("iterserve.deploy.cli_export", "run",
+                         "write the served model's tokenizer as an HF folder: DIR [--model]"),
     "dashboards": ("iterserve.dashboards.cli", "main",
                    "Grafana dashboards: `generate` the JSON, `push` it with grafana-client"),
 }
