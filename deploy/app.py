@@ -28,6 +28,7 @@ from iterserve.deploy.ingress import OpenAIIngress
 from iterserve.deploy.replica import DEFAULT_DRAIN_TIMEOUT_S, LLMReplica, replica_actor_options
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
 from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.replica.model_source import model_display_name
 
 APP_NAME = "iterserve"
 
@@ -83,7 +84,8 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None  # HF checkpoint folder; None = the built-in default model
+    # An HF checkpoint folder, a .gguf file or "iterserve-tiny"; None = built-in SmolLM2.
+    model: str | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     num_replicas: int | str = 1  # an int, or "auto" with autoscaling_config
     autoscaling_config: dict[str, Any] | None = None
@@ -112,6 +114,7 @@ class AppArgs(BaseModel):
         engine = dict(data.pop("engine_kwargs", None) or {})
         for key in [k for k in data if k not in own]:
             engine[key] = data.pop(key)
+        _lift_model(data, engine)
         data["engine_kwargs"] = coerce_engine_kwargs(engine)
         if isinstance(data.get("api_keys"), str):
             data["api_keys"] = [k for k in data["api_keys"].split(",") if k.strip()]
@@ -135,6 +138,16 @@ class AppArgs(BaseModel):
         return EngineConfig.from_kwargs(model=self.model, **self.engine_kwargs)
 
 
+def _lift_model(data: dict[str, Any], engine: dict[str, Any]) -> None:
+    """engine_kwargs may name the model too (one dict for LLM() and the app); it moves up."""
+    if "model" not in engine:
+        return
+    model = engine.pop("model")
+    if data.get("model") not in (None, model):
+        raise ValueError(f"model is given twice: {data['model']!r} and {model!r} in engine_kwargs")
+    data["model"] = model
+
+
 def routing_and_scaling_options(app_args: AppArgs) -> dict[str, Any]:
     """LLMReplica's request router and, with num_replicas="auto", its autoscaling policy."""
     from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
@@ -142,7 +155,8 @@ def routing_and_scaling_options(app_args: AppArgs) -> dict[str, Any]:
     from iterserve.autoscale.router import request_router_config_dict
 
     engine_config = app_args.engine_config()
-    model_name = engine_config.served_model_name or Path(resolve_model_path(engine_config)).name
+    model_path = Path(resolve_model_path(engine_config))
+    model_name = engine_config.served_model_name or model_display_name(model_path)
     options: dict[str, Any] = {}
     if app_args.request_router_config is not None:
         options["request_router_config"] = app_args.request_router_config

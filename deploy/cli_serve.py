@@ -1,6 +1,6 @@
 """`iterserve serve`: start Ray (embedded, or join a cluster) and deploy the application.
 
-    iterserve serve                               # built-in tiny model, embedded Ray, :8000
+    iterserve serve                               # built-in SmolLM2, embedded Ray, :8000
     iterserve serve --model /models/llama --max-num-seqs 64 --port 8001 --api-key $KEY
     iterserve serve --address auto --num-replicas 4   # an existing cluster
 
@@ -39,7 +39,7 @@ class EngineFlag:
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--served-model-name",), "served_model_name", str, None,
-               "model name in the API (default: the model folder's name)"),
+               "model name in the API (default: the model folder or file name)"),
     EngineFlag(("--max-num-seqs", "--max-batch-size"), "max_num_seqs", int, None,
                "most requests in one batch"),
     EngineFlag(("--max-num-batched-tokens", "--max-num-tokens"), "max_num_batched_tokens",
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="iterserve serve", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help="HF checkpoint folder (default: the built-in tiny model)")
+                        help="HF checkpoint folder, .gguf file, or iterserve-tiny (the tiny random-weight "
+                             "test model); default: the built-in SmolLM2-135M-Instruct")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",

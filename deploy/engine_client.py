@@ -57,13 +57,10 @@ def model_info_from(info: dict[str, Any]) -> ModelInfo:
 
 def load_tokenizer(model_path: str | None) -> Tokenizer:
     """The engine's tokenizer, loaded from the model folder (the ingress has no engine)."""
+    from iterserve.replica.model_source import resolve_model_path
     from iterserve.replica.tokenizer import Tokenizer as EngineTokenizer
 
-    if model_path is None:
-        from iterserve.replica.make_model import default_model_path
-
-        model_path = str(default_model_path())
-    return EngineTokenizer.from_pretrained(model_path)
+    return EngineTokenizer.from_pretrained(resolve_model_path(model_path))
 
 
 class LocalEngineClient:

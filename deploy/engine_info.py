@@ -54,14 +54,12 @@ def flat_config(config: Any) -> dict[str, Any]:
 
 
 def resolve_model_path(config: Any) -> str | None:
-    """The model folder the engine loaded: config.model, or the built-in default."""
-    if getattr(config, "model", None):
-        return str(config.model)
+    """The model file or folder the engine loaded: config.model resolved, or the built-in one."""
     try:
-        from iterserve.replica.make_model import default_model_path
+        from iterserve.replica.model_source import resolve_model_path as resolve
     except ImportError:
         return None
-    return str(default_model_path())
+    return str(resolve(getattr(config, "model", None)))
 
 
 def describe_engine(engine: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:

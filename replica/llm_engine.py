@@ -21,7 +21,7 @@ from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.loader import read_generation_config, read_model_config
-from iterserve.replica.make_model import default_model_path
+from iterserve.replica.model_source import model_display_name, resolve_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.runner_base import Runner
@@ -41,7 +41,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        model_path = Path(config.model) if config.model else default_model_path()
+        model_path = resolve_model_path(config.model)
         model_config = read_model_config(model_path)
         # Sliding-window attention is not implemented, so the window bounds the context.
         model_max_len = min(model_config.max_position_embeddings,
@@ -49,7 +49,7 @@ class LLMEngine:
         config = dataclasses.replace(
             config,
             model=str(model_path),
-            served_model_name=config.served_model_name or model_path.name,
+            served_model_name=config.served_model_name or model_display_name(model_path),
             scheduler=config.scheduler.resolved(model_max_len),
         )
         model_config.verify_max_model_len(config.scheduler.max_model_len)

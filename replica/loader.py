@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from iterserve.replica.model_source import is_gguf
 from iterserve.replica.models import ModelConfig, build_model
 from iterserve.replica.ops import Ops
 
@@ -45,6 +46,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
+    if is_gguf(path):
+        from iterserve.replica.gguf_loader import gguf_model_config
+
+        return gguf_model_config(path)
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
@@ -52,7 +57,11 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 
 def read_generation_config(path: str | Path) -> GenerationConfig:
-    """generation_config.json if present (eos_token_id may be an int or a list), else defaults."""
+    """generation_config.json if present (eos_token_id may be an int or a list), else defaults.
+
+    A GGUF file has none: its stopping ids come with its tokenizer metadata."""
+    if is_gguf(path):
+        return GenerationConfig()
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return GenerationConfig()
@@ -102,7 +111,11 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
                     ops: Ops) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for `path`'s config.json and fill it from its safetensors."""
+    """Build the model for `path`'s config.json and fill it from its safetensors (or a GGUF)."""
+    if is_gguf(path):
+        from iterserve.replica.gguf_loader import load_gguf_checkpoint
+
+        return load_gguf_checkpoint(path, dtype, device, ops)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")

@@ -19,6 +19,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from iterserve.replica.loader import read_generation_config, read_json
+from iterserve.replica.model_source import is_gguf
 
 
 class ChatTemplateError(ValueError):
@@ -73,7 +74,12 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json and generation_config.json of a folder."""
+        """Read tokenizer.json, tokenizer_config.json and generation_config.json of a folder,
+        or the tokenizer metadata of a GGUF file."""
+        if is_gguf(path):
+            from iterserve.replica.gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(path)
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():

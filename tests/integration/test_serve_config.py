@@ -48,6 +48,7 @@ def test_cli_flags_reach_engine_and_two_replicas_serve(integration: Any, tmp_pat
     port = integration.free_port()
     key = "sk-cli-test"
     argv = [sys.executable, "-m", "iterserve.deploy.cli", "serve", "--port", str(port),
+            "--model", "iterserve-tiny",
             "--api-key", key, "--num-replicas", "2", "--ray-num-cpus", "4",
             "--num-gpus-per-replica", "0",  # CPU replicas even on a GPU machine
             "--max-batch-size", "3", "--max-num-batched-tokens", "384", "--block-size", "8",

@@ -28,8 +28,9 @@ from typing import Any
 
 import httpx
 
-# Small real engines on CPU: the built-in tiny model, short context, few KV blocks.
+# Small real engines on CPU: the tiny random-weight model, short context, few KV blocks.
 TINY_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",
     "device": "cpu",
     "max_model_len": 128,
     "num_gpu_blocks_override": 64,
@@ -246,6 +247,7 @@ def run_async(coro: Any, timeout_s: float) -> Any:
 # default H100 6.5 ms), so that the Ray data path on a 2-core box is not the bottleneck.
 SIM_COST = {"a_s": 0.02}
 SIM_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",  # only its config and tokenizer are read
     "runner": "simulated",
     "max_model_len": 1024,
     "num_gpu_blocks_override": 256,

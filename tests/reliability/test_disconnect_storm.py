@@ -19,6 +19,7 @@ from reliability_support import local_server, run_async, wait_replicas_idle
 from iterserve.loadtests.chaos import disconnect_storm
 
 STORM_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",
     "device": "cpu",
     "max_model_len": 128,
     "num_gpu_blocks_override": 40,  # 640 tokens for 16 sequences: preemption happens

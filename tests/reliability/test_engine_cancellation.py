@@ -23,7 +23,7 @@ import pytest
 
 from iterserve.replica import AsyncLLMEngine, EngineConfig, SamplingParams
 
-ENGINE = {"device": "cpu", "max_model_len": 128, "num_gpu_blocks_override": 32,
+ENGINE = {"model": "iterserve-tiny", "device": "cpu", "max_model_len": 128, "num_gpu_blocks_override": 32,
           "max_num_seqs": 4}
 
 

@@ -20,6 +20,7 @@ from reliability_support import is_openai_error, local_server, run_async, wait_r
 from iterserve.loadtests.chaos import run_request
 
 KV_ENGINE: dict[str, Any] = {
+    "model": "iterserve-tiny",
     "device": "cpu",
     "max_model_len": 512,
     "num_gpu_blocks_override": 16,

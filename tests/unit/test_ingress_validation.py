@@ -33,7 +33,8 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig.from_kwargs(model=None, device="cpu", max_model_len=MAX_MODEL_LEN,
+    config = EngineConfig.from_kwargs(model="iterserve-tiny", device="cpu",
+                                      max_model_len=MAX_MODEL_LEN,
                                       num_gpu_blocks_override=64, max_num_seqs=1,
                                       batching="static", max_waiting_requests=1)
     engine = AsyncLLMEngine(config)
