@@ -39,3 +39,20 @@ def test_exported_tokenizer_matches_the_engine(tmp_path: Path,
     messages = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         ours.apply_chat_template(messages))
+
+
+def test_exported_builtin_tokenizer_matches_the_engine(tmp_path: Path) -> None:
+    """The built-in model's tokenizer (read from its GGUF file) round-trips through HF."""
+    from iterserve.deploy.engine_client import load_tokenizer
+
+    try:
+        ours = load_tokenizer(None)
+    except FileNotFoundError:
+        pytest.skip("the built-in model is not installed (scripts/install.sh installs it)")
+    assert cli.main(["export-tokenizer", str(tmp_path)]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        assert hf(text)["input_ids"] == ours.encode(text)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        ours.apply_chat_template(messages))
