@@ -2,14 +2,16 @@
 
 Keys come from `--api-key` (repeatable), the env var ITERSERVE_API_KEYS (comma separated) and
 an optional file (one key per line, `#` comments). With no key configured the API is open.
-Keys are compared with `hmac.compare_digest` against every configured key, and are never
-logged, echoed in errors or shown in a repr.
+Keys are compared as HMAC-SHA256 digests against every configured key (`ApiKeyChecker`), and
+are never logged, echoed in errors or shown in a repr.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -41,28 +43,37 @@ def load_api_keys(
 
 
 class ApiKeyChecker:
-    """Checks `Authorization: Bearer <key>` headers against the configured keys."""
+    """Checks `Authorization: Bearer <key>` headers against the configured keys.
+
+    Keys are kept and compared as HMAC-SHA256 digests under a per-process random salt: every
+    comparison is between two 32-byte digests, so its time reveals neither a key's bytes nor
+    its length, and every configured key is compared (no early exit on a match).
+    """
 
     def __init__(self, keys: Iterable[SecretStr]) -> None:
-        self._keys = tuple(k.get_secret_value().encode() for k in keys)
+        self._salt = secrets.token_bytes(32)
+        self._digests = tuple(self._digest(k.get_secret_value().encode()) for k in keys)
+
+    def _digest(self, key: bytes) -> bytes:
+        return hmac.new(self._salt, key, hashlib.sha256).digest()
 
     def __repr__(self) -> str:
-        return f"ApiKeyChecker(num_keys={len(self._keys)})"
+        return f"ApiKeyChecker(num_keys={len(self._digests)})"
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._digests)
 
     def allows(self, authorization: str | None) -> bool:
-        if not self._keys:
+        if not self._digests:
             return True
         if not authorization:
             return False
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return False
-        candidate = token.strip().encode()
+        candidate = self._digest(token.strip().encode())
         ok = False
-        for key in self._keys:  # compare with every key: no early exit on a match
-            ok |= hmac.compare_digest(candidate, key)
+        for digest in self._digests:
+            ok |= hmac.compare_digest(candidate, digest)
         return ok

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from iterserve.autoscale.signals import ROUTING_STATS_PERIOD_S
 from iterserve.deploy.engine_info import describe_engine, stream_engine
 from iterserve.deploy.errors import (
     EngineErrorInfo,
@@ -30,7 +31,10 @@ logger = logging.getLogger(__name__)
 # A request whose replica died before it yielded anything is sent once more (Serve routes it
 # to a live replica); these are the Ray errors that mean "the replica is gone".
 REPLICA_GONE_ERRORS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
-MAX_ATTEMPTS = 2
+MAX_ATTEMPTS = 3
+# A replica that refused a request because it cannot serve (dead engine loop, draining)
+# reports so in its next routing stats; waiting one stats period lets the retry avoid it.
+RETRY_ELSEWHERE_DELAY_S = ROUTING_STATS_PERIOD_S
 
 
 class EngineClient(Protocol):
@@ -140,11 +144,17 @@ class HandleEngineClient:
                 async for item in gen:
                     if isinstance(item, EngineErrorInfo):
                         complete = True
+                        if item.retry_elsewhere and attempt < MAX_ATTEMPTS:
+                            break  # nothing started on that replica: send it once more
                         raise item.to_http()
                     started = True
                     yield item
-                complete = True
-                return
+                else:
+                    complete = True
+                    return
+                logger.warning("request %s: its replica cannot serve (%s); retrying (attempt %d)",
+                               request_id, item.message, attempt + 1)
+                await asyncio.sleep(RETRY_ELSEWHERE_DELAY_S)
             except (OpenAIHTTPError, asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as error:  # noqa: BLE001 - Ray errors become HTTP errors

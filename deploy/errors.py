@@ -20,7 +20,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from iterserve.deploy.schemas import ErrorInfo, ErrorResponse
-from iterserve.replica.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from iterserve.replica.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestFailedError,
+)
 
 
 class OpenAIHTTPError(Exception):
@@ -100,6 +105,9 @@ class EngineErrorInfo:
     message: str
     err_type: str
     retry_after_s: float | None = None
+    # The replica cannot serve anything now (its engine loop died, or it drains): nothing was
+    # started, so the ingress sends the request once more and Serve routes it elsewhere.
+    retry_elsewhere: bool = False
 
     def to_http(self) -> OpenAIHTTPError:
         headers = {}
@@ -114,9 +122,13 @@ def engine_error_info(error: BaseException) -> EngineErrorInfo | None:
         return EngineErrorInfo(429, str(error), "rate_limit_error", error.retry_after_s)
     if isinstance(error, EngineDrainingError):
         return EngineErrorInfo(503, str(error) or "The server is shutting down; retry "
-                               "on another replica.", "service_unavailable", 1.0)
+                               "on another replica.", "service_unavailable", 1.0,
+                               retry_elsewhere=True)
     if isinstance(error, EngineDeadError):
-        return EngineErrorInfo(500, str(error) or "The engine stopped.", "internal_server_error")
+        return EngineErrorInfo(500, str(error) or "The engine stopped.", "internal_server_error",
+                               retry_elsewhere=True)
+    if isinstance(error, RequestFailedError):
+        return EngineErrorInfo(500, str(error), "internal_server_error")
     if isinstance(error, ValueError):
         return EngineErrorInfo(400, str(error), "invalid_request_error")
     return None

@@ -70,7 +70,8 @@ def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
     max_ongoing_requests=256,
     graceful_shutdown_wait_loop_s=1.0,
     graceful_shutdown_timeout_s=DEFAULT_DRAIN_TIMEOUT_S + 5,
-    health_check_period_s=10,
+    # A dead engine loop fails the next check: replaced within seconds, not tens of seconds.
+    health_check_period_s=2,
 )
 class LLMReplica:
     """One engine per replica; streams RequestOutput deltas to the ingress."""
@@ -130,11 +131,16 @@ class LLMReplica:
 
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
-        return load_signals(self.engine.stats(), self.engine.is_draining)
+        return load_signals(self.engine.stats(), self._admits_nothing)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""
-        return load_signals(self.engine.stats(), self.engine.is_draining)
+        return load_signals(self.engine.stats(), self._admits_nothing)
+
+    @property
+    def _admits_nothing(self) -> bool:
+        """Draining, or its engine loop died: routers rank it last until Serve replaces it."""
+        return self.engine.is_draining or not self.engine.is_healthy
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop admitting new requests and wait for the in-flight ones."""

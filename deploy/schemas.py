@@ -11,13 +11,33 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # most choices per request (n)
 MAX_LOGPROBS = 20  # OpenAI's own bound; the engine's max_logprobs may lower it
 MAX_STOP_SEQUENCES = 8
+MAX_STOP_TOKEN_IDS = 256
+
+# Integer ranges, checked here, before routing, so that no value reaches the engine that a
+# batched operation could choke on (a seed of 2**64 once killed the engine loop):
+#   seed                               [-2**63, 2**63 - 1]  (vLLM: torch.iinfo(torch.long))
+#   max_tokens, max_completion_tokens  [1, 2**31 - 1]       (then <= max_model_len - prompt)
+#   min_tokens                         [0, 2**31 - 1]       (then <= max_tokens)
+#   n, best_of                         [1, MAX_N]
+#   logprobs, top_logprobs             [0, MAX_LOGPROBS]    (then <= the engine's max_logprobs)
+#   top_k                              [-1, 2**31 - 1]      (-1 and 0 disable it)
+#   priority                           [-2**31, 2**31 - 1]
+#   token ids (prompt, stop_token_ids, logit_bias keys, detokenize tokens)
+#                                      [0, 2**31 - 1]       (then < the model's vocab size)
+#   logit_bias values                  [-100, 100]          (OpenAI's bound)
+# Floats are finite where bounded (NaN and +-inf fail every bound).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_LOGIT_BIAS = 100.0
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -56,7 +76,7 @@ class _SamplingFields(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
@@ -64,15 +84,30 @@ class _SamplingFields(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}") from None
+            if not 0 <= token_id <= INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], "
+                                 f"got {token_id}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return bias
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingFields:
@@ -81,8 +116,6 @@ class _SamplingFields(_Body):
             raise ValueError(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
@@ -136,12 +169,12 @@ class ErrorResponse(_Out):
 
 # ----------------------------------------------------------------------------- completions
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+PromptType = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (needs echo)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)  # 0: score the prompt (with echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -230,8 +263,8 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -355,13 +388,7 @@ class TokenizeResponse(_Out):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int] = Field(min_length=0)
-
-    @model_validator(mode="after")
-    def _non_negative(self) -> DetokenizeRequest:
-        if any(t < 0 for t in self.tokens):
-            raise ValueError("tokens must be non-negative")
-        return self
+    tokens: list[TokenId] = Field(min_length=0)
 
 
 class DetokenizeResponse(_Out):

@@ -86,6 +86,27 @@ async def run_request(client: httpx.AsyncClient, body: dict[str, Any],
     return out
 
 
+async def closed_loop_streams(client: httpx.AsyncClient, num_clients: int, run_s: float,
+                              max_tokens: int, timeout_s: float
+                              ) -> list[tuple[float, Outcome]]:
+    """num_clients clients, each sending greedy streaming completions back to back for run_s
+    seconds; returns (start offset in s, outcome) per request, in completion order."""
+    outcomes: list[tuple[float, Outcome]] = []
+    start = time.monotonic()
+
+    async def one_client(i: int) -> None:
+        n = 0
+        while time.monotonic() - start < run_s:
+            body = {"prompt": f"client {i} request {n}", "max_tokens": max_tokens,
+                    "stream": True, "temperature": 0, "ignore_eos": True}
+            offset = time.monotonic() - start
+            outcomes.append((offset, await run_request(client, body, timeout_s=timeout_s)))
+            n += 1
+
+    await asyncio.gather(*[one_client(i) for i in range(num_clients)])
+    return outcomes
+
+
 def _read_json(response: httpx.Response, out: Outcome) -> None:
     try:
         payload = response.json()

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
-from iterserve.replica.errors import EngineDeadError, EngineDrainingError, QueueFullError
+from iterserve.replica.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestFailedError,
+)
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
@@ -218,10 +223,18 @@ class AsyncLLMEngine:
                 command.done.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop,
+                      list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
+                continue
+            if output.error is not None:
+                # One child failed: the caller raises this, and closing its stream aborts the
+                # request's other children.
+                failure = RequestFailedError(f"the request failed in the engine: {output.error}")
+                by_loop.setdefault(stream.loop, []).append((stream.queue, failure))
+                self._streams.pop(output.request_id, None)
                 continue
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
             if output.finished:
@@ -234,9 +247,10 @@ class AsyncLLMEngine:
             except RuntimeError:
                 # The caller's event loop is closed: nobody is listening, so free the requests.
                 for _, output in items:
-                    self._abort(self.engine, output.request_id)
+                    if isinstance(output, RequestOutput):  # a failed request already ended
+                        self._abort(self.engine, output.request_id)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for q, output in items:
         q.put_nowait(output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class EngineError(Exception):
     """Base class of iterserve engine errors."""
@@ -24,3 +26,26 @@ class EngineDrainingError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop died; in-flight requests end with this error (500)."""
+
+
+class RequestFailedError(EngineError):
+    """One request failed inside the engine (its batch mates go on); its client gets a 500."""
+
+
+class DeviceFaultError(EngineError):
+    """A fault of the whole step (the device, its memory): the engine loop cannot go on.
+
+    The simulated runner raises it to model a GPU fault in chaos tests.
+    """
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether an exception is a fault of the whole step rather than of one request.
+
+    Out-of-memory and CUDA errors leave the device in an unknown state: the loop stops and the
+    replica is replaced. Anything else raised while working on one request ends that request.
+    """
+    if isinstance(error, (DeviceFaultError, MemoryError, torch.OutOfMemoryError)):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and ("CUDA" in message or "device-side" in message)

@@ -20,6 +20,7 @@ from pathlib import Path
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.detokenizer import IncrementalDetokenizer
+from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.model_source import model_display_name, resolve_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
@@ -169,15 +170,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration and return a delta for every request that got a token."""
+        """Run one iteration and return a delta for every request that got a token or ended.
+
+        Fault isolation: an exception raised by one request's work (its inputs, its sampling
+        row, its detokenization) ends that request alone with finish_reason "error"; its batch
+        mates' tokens stand. Only a device fault (`is_device_fault`) escapes, and stops the loop.
+        """
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         self._record_prompt_logprobs(runner_output)
+        failed = [s.request for s in scheduler_output.scheduled
+                  if s.request.request_id in runner_output.failed]
+        outputs = [self._fail(r, runner_output.failed[r.request_id]) for r in failed]
         updated = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._detokenize(r, runner_output) for r in updated]
+        outputs += [self._detokenize_or_fail(r, runner_output) for r in updated]
         self._release_pending_children()
-        finished = [r for r in updated if r.is_finished]
+        finished = [r for r in updated if r.is_finished] + failed
         for request in finished:
             self.runner.release(request.request_id)
             self._forget_child(request)
@@ -190,6 +199,46 @@ class LLMEngine:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 request.record_prompt_logprobs(chunk)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run the batch; if a batched operation raises, run each request alone to find which
+        request's inputs it choked on, and fail only those."""
+        try:
+            return self.runner.execute(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - a device fault is re-raised
+            if is_device_fault(error):
+                raise
+            logger.warning("a batched step raised %r; running its requests one by one", error)
+            return self._execute_one_by_one(scheduler_output)
+
+    def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        merged = RunnerOutput()
+        for scheduled in scheduler_output.scheduled:
+            if scheduled.is_padding:
+                continue
+            alone = SchedulerOutput(scheduled=[scheduled], num_batched_tokens=scheduled.num_new_tokens)
+            try:
+                merged.merge(self.runner.execute(alone))
+            except Exception as error:  # noqa: BLE001 - this request's failure; device faults raise
+                if is_device_fault(error):
+                    raise
+                merged.failed[scheduled.request.request_id] = f"{type(error).__name__}: {error}"
+        return merged
+
+    def _fail(self, request: Request, reason: str) -> RequestOutput:
+        """End one request with an error: its blocks are freed, its client is told why."""
+        logger.warning("request %s failed in the engine: %s", request.request_id, reason)
+        if not request.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return dataclasses.replace(self._output(request, [], "", None), error=reason)
+
+    def _detokenize_or_fail(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
+        try:
+            return self._detokenize(request, runner_output)
+        except Exception as error:  # noqa: BLE001 - this request's failure; device faults raise
+            if is_device_fault(error):
+                raise
+            return self._fail(request, f"{type(error).__name__}: {error}")
 
     def _detokenize(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
         token_id = request.output_token_ids[-1]

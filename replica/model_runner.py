@@ -152,8 +152,12 @@ class ModelRunner:
         indices = torch.from_numpy(prepared.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
         requests = [scheduler_output.scheduled[i].request for i in prepared.sample_rows]
-        token_ids, logprobs = self.sampler.sample(logits, requests)
-        for request, token_id, lp in zip(requests, token_ids, logprobs, strict=True):
+        token_ids, logprobs, failed = self.sampler.sample(logits, requests)
+        for row, (request, token_id, lp) in enumerate(zip(requests, token_ids, logprobs,
+                                                           strict=True)):
+            if row in failed:
+                output.failed[request.request_id] = failed[row]
+                continue
             output.sampled_token_ids[request.request_id] = token_id
             if lp is not None:
                 output.logprobs[request.request_id] = lp

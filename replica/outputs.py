@@ -93,12 +93,22 @@ class RunnerOutput:
     """The runner's answer for one SchedulerOutput, keyed by request id.
 
     Only requests whose ScheduledRequest.samples is True appear in `sampled_token_ids`.
+    `failed` names the requests whose own work raised (preparing or sampling one row): the
+    engine finishes each alone with an error; their batch mates' results stand.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Requests with SamplingParams.prompt_logprobs whose prefill chunk ran this step.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> what went wrong
+
+    def merge(self, other: RunnerOutput) -> None:
+        """Add the results of a disjoint set of requests (a step run in parts)."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.failed.update(other.failed)
 
 
 @dataclass
@@ -106,7 +116,8 @@ class RequestOutput:
     """A delta streamed to the caller for one (child) request.
 
     `new_token_ids` / `new_text` hold only what is new since the previous output;
-    `finish_reason` is "stop", "length" or "abort" on the last output and None before.
+    `finish_reason` is "stop", "length", "abort" or "error" on the last output and None
+    before; with "error", `error` says what failed (the caller raises it to its client).
     `prompt_logprobs` (only with SamplingParams.prompt_logprobs) comes once, on the first
     output with a token: one entry per prompt position, the first None.
     """
@@ -125,3 +136,4 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    error: str | None = None

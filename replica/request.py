@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed in the engine (its client gets an error)
 
     @property
     def is_finished(self) -> bool:
@@ -26,7 +27,8 @@ class RequestStatus(enum.Enum):
 
 
 FINISHED_STATUSES = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+     RequestStatus.FINISHED_ERROR}
 )
 
 

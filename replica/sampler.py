@@ -9,8 +9,12 @@ samples do not depend on which requests share its batch.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from iterserve.replica.errors import is_device_fault
 from iterserve.replica.outputs import TokenLogprobs
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
@@ -40,10 +44,18 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [S, V] float32, one row per sampling request
         requests: list[Request],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, str]]:
+        """One token per row, its logprobs, and the rows whose own work raised.
+
+        A failed row (row -> what went wrong) has no token: its request ends alone with an
+        error while the other rows' tokens stand. A device fault is re-raised (see
+        `is_device_fault`): it is the whole step's, not one request's.
+        """
         logits = logits.float()
+        failed: dict[int, str] = {}
         for row, request in enumerate(requests):
-            self._apply_penalties(logits[row], request)
+            with _row_of(failed, row):
+                self._apply_penalties(logits[row], request)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         if greedy_rows:
@@ -53,13 +65,16 @@ class Sampler:
         want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         log_probs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
         for row, request in enumerate(requests):
-            if not request.sampling_params.is_greedy:
-                token_ids[row] = self._draw(logits[row], request)
+            if not request.sampling_params.is_greedy and row not in failed:
+                with _row_of(failed, row):
+                    token_ids[row] = self._draw(logits[row], request)
         chosen = token_ids.tolist()
         for k, row in enumerate(want_logprobs):
-            num_top = requests[row].sampling_params.logprobs or 0
-            logprobs[row] = _token_logprobs(log_probs[k], chosen[row], num_top)
-        return chosen, logprobs
+            if row not in failed:
+                with _row_of(failed, row):
+                    num_top = requests[row].sampling_params.logprobs or 0
+                    logprobs[row] = _token_logprobs(log_probs[k], chosen[row], num_top)
+        return chosen, logprobs, failed
 
     def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:  # row: [V]
         params = request.sampling_params
@@ -110,3 +125,14 @@ def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogp
         values, indices = torch.topk(row, num_top)
         top = list(zip(indices.tolist(), values.tolist(), strict=True))
     return TokenLogprobs(token_id=token_id, logprob=float(row[token_id]), top=top)
+
+
+@contextlib.contextmanager
+def _row_of(failed: dict[int, str], row: int) -> Iterator[None]:
+    """One row's work: an exception fails that row alone (device faults propagate)."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - recorded as this row's failure
+        if is_device_fault(error):
+            raise
+        failed[row] = f"{type(error).__name__}: {error}"

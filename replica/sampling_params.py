@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A seed seeds a torch.Generator, which takes a 64-bit integer: vLLM bounds it by
+# torch.iinfo(torch.long). Children of an n > 1 request add their index, which still fits.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,6 +52,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),

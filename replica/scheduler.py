@@ -159,7 +159,7 @@ class Scheduler:
         self._static_batch.discard(request.request_id)
         self.requests.pop(request.request_id, None)
         pads = (in_static_batch and self.config.static_batch_padding
-                and status != RequestStatus.FINISHED_ABORTED
+                and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
                 and request.num_computed_tokens > 0)
         if pads:
             self._padding_rows.append(request)

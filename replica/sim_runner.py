@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 ENV_SIM_CONFIG = "ITERSERVE_SIM_COST_MODEL"
@@ -113,6 +114,9 @@ class SimulatorConfig:
     time_scale: float = 1.0  # >1 slows the simulated GPU (experiments on small CPUs)
     eos_probability: float = 0.0  # per sampled token; 0 never ends a request on EOS
     sleep: bool = True  # False: account time without sleeping (unit tests)
+    # Chaos: when this file exists at the start of a step, the first replica to claim it
+    # (by deleting it) faults as a GPU would (DeviceFaultError), which stops its engine loop.
+    fault_trigger_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -158,6 +162,15 @@ class SimulatorConfig:
             return cls()
         text = raw if raw.startswith("{") else Path(raw).read_text()
         return cls.from_mapping(json.loads(text))
+
+
+def _claim(path: str) -> bool:
+    """Delete path if it exists; True for the one caller whose delete succeeded."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _mix64(x: int) -> int:
@@ -247,6 +260,8 @@ class SimulatedRunner:
         output = RunnerOutput()
         if scheduler_output.is_empty:
             return output
+        if self.sim.fault_trigger_file is not None and _claim(self.sim.fault_trigger_file):
+            raise DeviceFaultError("simulated GPU fault (chaos trigger file)")
         modelled = self.step_time(scheduler_output)
         for s in scheduler_output.scheduled:
             if s.samples:

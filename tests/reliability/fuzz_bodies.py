@@ -42,7 +42,11 @@ NASTY_STRINGS = ["", " ", "\x00", "\ud800", "\udfff", "\ud83d", "\x1b[31mred", "
                  "%s%n%x", "{{ raise }}", "{% for x in y %}", "\\u0000", "a" * 5000,
                  "\U0010ffff", "🙂" * 100]
 BIG_INTS = [0, -1, 1, 2, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63),
-            10**30, -(10**30)]
+            -(2**63) - 1, 10**30, -(10**30)]
+# json.dumps writes NaN / Infinity literals, which the JSON parser of the server accepts.
+EXTREME_FLOATS = [float("inf"), float("-inf"), float("nan"), 1e308, -1e308, -0.0, 5e-324]
+TOKENIZE_FIELDS = ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"]
+DETOKENIZE_FIELDS = ["model", "tokens"]
 
 
 def scalars() -> st.SearchStrategy[Any]:
@@ -52,6 +56,7 @@ def scalars() -> st.SearchStrategy[Any]:
         st.sampled_from(BIG_INTS),
         st.integers(min_value=-(2**70), max_value=2**70),
         st.floats(allow_nan=False, allow_infinity=False),
+        st.sampled_from(EXTREME_FLOATS),
         st.floats(min_value=-3, max_value=3),
         st.text(max_size=40),
         st.text(alphabet=st.characters(codec="utf-8", categories=["Cc", "Cf", "Co", "Zl", "Zp"]),
@@ -73,7 +78,13 @@ def values() -> st.SearchStrategy[Any]:
 def near_bounds() -> st.SearchStrategy[Any]:
     """Numbers around every bound the schemas and the engine enforce."""
     return st.one_of(st.integers(min_value=-3, max_value=40), st.sampled_from(BIG_INTS),
-                     st.floats(min_value=-5, max_value=15), st.sampled_from([0.0, -0.0, 1e-320]))
+                     st.floats(min_value=-5, max_value=15), st.sampled_from([0.0, -0.0, 1e-320]),
+                     st.sampled_from(EXTREME_FLOATS))
+
+
+def token_ids() -> st.SearchStrategy[Any]:
+    token = st.one_of(st.integers(min_value=0, max_value=4200), st.sampled_from(BIG_INTS))
+    return st.one_of(st.lists(token, max_size=8), values())
 
 
 def prompts() -> st.SearchStrategy[Any]:
@@ -121,6 +132,14 @@ FIELD_VALUES: dict[str, Any] = {
     "best_of": near_bounds,
     "stop": lambda: st.one_of(st.lists(st.text(max_size=4), max_size=10), scalars()),
     "stop_token_ids": lambda: st.lists(st.sampled_from(BIG_INTS), max_size=4),
+    "seed": lambda: st.one_of(st.sampled_from(BIG_INTS), st.integers()),
+    "priority": lambda: st.sampled_from(BIG_INTS),
+    "top_k": lambda: st.sampled_from(BIG_INTS),
+    "logit_bias": lambda: st.dictionaries(
+        st.one_of(st.sampled_from([str(i) for i in BIG_INTS]), st.text(max_size=4)),
+        st.one_of(st.sampled_from(EXTREME_FLOATS + [100.0, -100.0, 100.5]), scalars()),
+        max_size=3),
+    "tokens": token_ids,
     "stream_options": lambda: st.one_of(
         st.fixed_dictionaries({}, optional={"include_usage": scalars(),
                                             "continuous_usage_stats": scalars()}), values()),
@@ -140,13 +159,8 @@ def json_bodies(draw: st.DrawFn, endpoint: str) -> Any:
     """A valid small body with a few fields set hostile, deleted or unknown."""
     if draw(st.integers(min_value=0, max_value=19)) == 19:
         return draw(values())  # not an object at all, sometimes
-    if endpoint == "chat":
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                                "temperature": 0}
-        names = CHAT_FIELDS
-    else:
-        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        names = COMPLETION_FIELDS
+    body, names = VALID_BODIES[endpoint]
+    body = json.loads(json.dumps(body))
     chosen = draw(st.lists(st.sampled_from(names + UNKNOWN_FIELDS), min_size=1, max_size=4,
                            unique=True))
     for name in chosen:
@@ -154,9 +168,20 @@ def json_bodies(draw: st.DrawFn, endpoint: str) -> Any:
             body.pop(name, None)
         else:
             body[name] = draw(field_value(name))
-    if draw(st.booleans()) and "stream" not in chosen:
+    if endpoint in ("completions", "chat") and draw(st.booleans()) and "stream" not in chosen:
         body["stream"] = True
     return body
+
+
+VALID_BODIES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "chat": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+              "temperature": 0}, CHAT_FIELDS),
+    "completions": ({"prompt": "Hello", "max_tokens": 4, "temperature": 0}, COMPLETION_FIELDS),
+    "tokenize": ({"prompt": "Hello"}, TOKENIZE_FIELDS),
+    "detokenize": ({"tokens": [11, 12, 13]}, DETOKENIZE_FIELDS),
+}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+         "tokenize": "/tokenize", "detokenize": "/detokenize"}
 
 
 def encode_json(body: Any, mode: int) -> bytes:
@@ -219,8 +244,9 @@ class FuzzCase:
 
 @st.composite
 def fuzz_cases(draw: st.DrawFn) -> FuzzCase:
-    endpoint = draw(st.sampled_from(["completions", "chat"]))
-    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    endpoint = draw(st.sampled_from(["completions", "chat", "completions", "chat", "tokenize",
+                                     "detokenize"]))
+    path = PATHS[endpoint]
     if draw(st.integers(min_value=0, max_value=3)) == 3:
         body = draw(raw_bodies(endpoint))
     else:
@@ -263,6 +289,11 @@ def check_response(case: FuzzCase, response: httpx.Response, tally: FuzzTally) -
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         tally.stream_errors += len(errors)
         assert not errors, f"error event in stream for {case!r}: {errors}"
+    elif case.path == "/tokenize":
+        body = response.json()
+        assert body["count"] == len(body["tokens"]), body
+    elif case.path == "/detokenize":
+        assert isinstance(response.json()["prompt"], str)
     else:
         body = response.json()
         assert isinstance(body.get("choices"), list) and body["choices"], body

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -245,7 +247,10 @@ def run_async(coro: Any, timeout_s: float) -> Any:
 
 # The simulated GPU of the crash / overload / soak tests: 20 ms per step (instead of the
 # default H100 6.5 ms), so that the Ray data path on a 2-core box is not the bottleneck.
-SIM_COST = {"a_s": 0.02}
+# Creating SIM_FAULT_FILE makes the first simulated GPU to step fault (DeviceFaultError), which
+# kills that replica's engine loop (tests/reliability/test_engine_loop_death.py).
+SIM_FAULT_FILE = os.path.join(tempfile.gettempdir(), f"iterserve-sim-fault-{os.getpid()}")
+SIM_COST = {"a_s": 0.02, "fault_trigger_file": SIM_FAULT_FILE}
 SIM_ENGINE: dict[str, Any] = {
     "model": "iterserve-tiny",  # only its config and tokenizer are read
     "runner": "simulated",

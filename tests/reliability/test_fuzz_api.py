@@ -9,9 +9,12 @@ Two targets, same strategies (fuzz_bodies.py):
 * in process: create_app over LocalEngineClient and the real engine, under uvicorn;
 * the real Serve application (proxy -> OpenAIIngress -> LLMReplica), marked ray.
 
-Example counts: FUZZ_EXAMPLES (in process, default 200) and FUZZ_SERVE_EXAMPLES (Serve,
-default 80); the recorded figures in RELIABILITY.md used larger values. Each run writes its
-tally to runs/reliability/fuzz_<target>.json (RELIABILITY_OUT overrides the folder).
+Bodies go 8 at a time (CONCURRENCY), so hostile requests share engine steps with valid
+ones: a request that kills the engine loop fails its batch mates too. Body counts:
+FUZZ_BODIES (in process, default 10,000) and FUZZ_SERVE_BODIES (Serve, default 2,000); a
+seed of 2**64 that killed the engine loop showed up 166-227 times in 10,000 bodies and never
+in the first 2,000, so the defaults are what it takes. Each run writes its tally to
+runs/reliability/fuzz_<target>.json (RELIABILITY_OUT overrides the folder).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ import httpx
 import pytest
 from fuzz_bodies import FuzzCase, FuzzTally, check_response, fuzz_cases
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reliability_support import (
     TINY_ENGINE,
     is_openai_error,
@@ -35,8 +40,9 @@ from reliability_support import (
 
 API_KEY = "sk-fuzz-0123456789abcdef"
 BODY_LIMIT = 64 * 1024
-FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
-FUZZ_SERVE_EXAMPLES = int(os.environ.get("FUZZ_SERVE_EXAMPLES", "80"))
+FUZZ_BODIES = int(os.environ.get("FUZZ_BODIES", "10000"))
+FUZZ_SERVE_BODIES = int(os.environ.get("FUZZ_SERVE_BODIES", "2000"))
+CONCURRENCY = 8
 DERANDOMIZE = os.environ.get("FUZZ_RANDOM", "0") != "1"  # CI: the same inputs every run
 REFERENCE = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
              "ignore_eos": True}
@@ -51,6 +57,20 @@ def out_dir() -> Path:
 
 def send(http: httpx.Client, case: FuzzCase) -> httpx.Response:
     return http.post(case.path, content=case.body, headers=case.headers(API_KEY))
+
+
+def fuzz(http: httpx.Client, num_bodies: int, tally: FuzzTally) -> None:
+    """Send num_bodies hypothesis-drawn bodies, CONCURRENCY at a time; check every answer."""
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+
+        @fuzz_settings(-(-num_bodies // CONCURRENCY))
+        @given(cases=st.lists(fuzz_cases(), min_size=CONCURRENCY, max_size=CONCURRENCY))
+        def run(cases: list[FuzzCase]) -> None:
+            for case, response in zip(cases, pool.map(lambda c: send(http, c), cases),
+                                      strict=True):
+                check_response(case, response, tally)
+
+        run()
 
 
 def reference_text(http: httpx.Client) -> str:
@@ -86,18 +106,12 @@ def test_fuzz_in_process(local: Any) -> None:
     start = time.monotonic()
     with httpx.Client(base_url=local.base_url, timeout=120) as http:
         before = reference_text(http)
-
-        @fuzz_settings(FUZZ_EXAMPLES)
-        @given(case=fuzz_cases())
-        def run(case: FuzzCase) -> None:
-            check_response(case, send(http, case), tally)
-
-        run()
+        fuzz(http, FUZZ_BODIES, tally)
         assert http.get("/health").status_code == 200
         state = local.wait_idle(timeout_s=60)
         assert reference_text(http) == before
     record("in_process", tally, time.monotonic() - start, {"engine_after": state})
-    assert tally.num_inputs >= FUZZ_EXAMPLES
+    assert tally.num_inputs >= FUZZ_BODIES
     assert set(tally.statuses) & {400}, "the fuzzer never reached validation"
     assert 200 in tally.statuses, "the fuzzer never produced a valid request"
 
@@ -139,17 +153,11 @@ def test_fuzz_serve(serve_session: Any) -> None:
             httpx.Client(base_url=base_url, timeout=120) as http:
         before = reference_text(http)
         start = time.monotonic()
-
-        @fuzz_settings(FUZZ_SERVE_EXAMPLES)
-        @given(case=fuzz_cases())
-        def run(case: FuzzCase) -> None:
-            check_response(case, send(http, case), tally)
-
-        run()
+        fuzz(http, FUZZ_SERVE_BODIES, tally)
         seconds = time.monotonic() - start
         check_oversized_bodies(base_url)
         assert http.get("/health").status_code == 200
         stats = wait_replicas_idle(base_url, AUTH)
         assert reference_text(http) == before
     record("serve", tally, seconds, {"replicas_after": stats})
-    assert tally.num_inputs >= FUZZ_SERVE_EXAMPLES
+    assert tally.num_inputs >= FUZZ_SERVE_BODIES

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from reliability_support import SIM_ENGINE, run_async, serve_actor_pids, wait_replicas_idle
 
-from iterserve.loadtests.chaos import Outcome, run_request
+from iterserve.loadtests.chaos import Outcome, closed_loop_streams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -40,19 +40,9 @@ def llm_replica_states() -> dict[str, int]:
 
 
 async def load_with_kill(base_url: str) -> dict[str, Any]:
-    outcomes: list[tuple[float, Outcome]] = []  # (start offset, outcome)
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
     start = time.monotonic()
     kill: dict[str, Any] = {}
-
-    async def client(i: int) -> None:
-        n = 0
-        while time.monotonic() - start < RUN_S:
-            body = {"prompt": f"client {i} request {n}", "max_tokens": MAX_TOKENS, "stream": True,
-                    "temperature": 0, "ignore_eos": True}
-            offset = time.monotonic() - start
-            outcomes.append((offset, await run_request(http, body, timeout_s=CLIENT_TIMEOUT_S)))
-            n += 1
 
     async def killer() -> None:
         await asyncio.sleep(KILL_AT_S)
@@ -71,7 +61,9 @@ async def load_with_kill(base_url: str) -> dict[str, Any]:
             await asyncio.sleep(0.25)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
-        await asyncio.gather(killer(), *[client(i) for i in range(NUM_CLIENTS)])
+        outcomes, _ = await asyncio.gather(
+            closed_loop_streams(http, NUM_CLIENTS, RUN_S, MAX_TOKENS, CLIENT_TIMEOUT_S),
+            killer())
     return {"outcomes": outcomes, **kill}
 
 
