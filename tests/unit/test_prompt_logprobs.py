@@ -132,3 +132,33 @@ def test_prompt_logprobs_validation(checkpoint: Path) -> None:
     llm = LLM(str(checkpoint), dtype="float32", max_logprobs=4)
     with pytest.raises(ValueError, match="prompt_logprobs must be <= 4"):
         llm.engine.add_request([5, 6, 7], SamplingParams(prompt_logprobs=5))
+
+
+def test_recompute_plans_only_positions_not_yet_held() -> None:
+    """After a preemption mid-prefill, the recomputed chunk scores only the missing positions,
+    and a chunk overlapping what is held adds nothing twice."""
+    import numpy as np
+
+    from iterserve.replica.outputs import PromptLogprobsChunk, ScheduledRequest
+    from iterserve.replica.prompt_logprobs import plan_prompt_logprobs
+    from iterserve.replica.request import Request
+
+    prompt = list(range(100, 110))
+    request = Request("r", prompt, SamplingParams(prompt_logprobs=1), arrival_time=0.0)
+    assert request.prompt_logprobs == [None]
+
+    def entries(first: int, last: int) -> PromptLogprobsChunk:
+        return PromptLogprobsChunk(first, [TokenLogprobs(100 + p, -float(p), [])
+                                           for p in range(first, last + 1)])
+
+    request.record_prompt_logprobs(entries(1, 4))  # the first chunk scored positions 1-4
+    recompute = ScheduledRequest(request, num_computed_tokens=0, num_new_tokens=8,
+                                 block_table=[0])
+    other = ScheduledRequest(Request("o", [1, 2], SamplingParams(), 0.0), 0, 2, [1])
+    (job,) = plan_prompt_logprobs([other, recompute], np.array([0, 2, 10]))
+    assert job.first_position == 5 and job.rows == [6, 7, 8, 9]  # flat rows of q = 4..7
+    assert job.target_token_ids == prompt[5:9]
+    request.record_prompt_logprobs(entries(3, 8))  # overlaps 3-4: only 5-8 are new
+    assert [e.logprob for e in request.prompt_logprobs[1:]] == [-1.0 * p for p in range(1, 9)]
+    with pytest.raises(RuntimeError, match="only 9 held"):
+        request.record_prompt_logprobs(entries(10, 10))
