@@ -68,6 +68,30 @@ class RouterConfig(BaseModel):
         description="Affinity holds while the preferred replica's score is within this "
         "much of the best replica's score; beyond it load wins over cache reuse.",
     )
+    score_prefill_work: bool = Field(
+        True,
+        description="Add the prefill work a replica faces before this request's first "
+        "token to its score: prompt tokens of requests routed since its last stats, plus "
+        "this prompt's tokens the replica does not hold in its prefix cache (when the "
+        "caller knows the replica's cache: `cached_tokens` of rank_replicas).",
+    )
+    prefill_tokens_per_waiting: float = Field(
+        1024.0, gt=0.0,
+        description="Prefill tokens that weigh as much as one waiting request in the score "
+        "(1024: ~30 ms of H100 prefill for an 8B model; the tournament's sweep of 256-4096 "
+        "put 256-1024 ahead of 2048-4096 on skewed bursts and multi-tenant).",
+    )
+    routed_work_weight: float = Field(
+        8.0, ge=0.0,
+        description="Score weight of the prefill tokens this router sent each replica "
+        "recently (decayed, above the least-sent replica), in prefill_tokens_per_waiting "
+        "units, scaled down by the share of the prompt some replica caches: balances work "
+        "the stale stats cannot show yet. 0 disables. (Tournament sweep 0.25-8: 8 best on "
+        "steady and skewed bursts; 4-8 on multi-tenant.)",
+    )
+    routed_work_half_life_s: float = Field(
+        5.0, gt=0.0, description="Half-life of the routed-work meter.",
+    )
     routing_stats_period_s: float = Field(
         0.5, gt=0.0, le=1.0,
         description="RequestRouterConfig.request_routing_stats_period_s: how often Serve "
@@ -107,10 +131,14 @@ class AutoscaleConfig(BaseModel):
         2.0, ge=0.0, description="Overload must last this long before scaling up.",
     )
     downscale_delay_s: float = Field(
-        20.0, ge=0.0, description="Underload must last this long before each scale-down.",
+        60.0, ge=0.0,
+        description="Underload must last this long before each scale-down (20 s gave "
+        "replicas back too early for a 3x spike to be absorbed: tournament, diurnal).",
     )
     max_upscale_step: int = Field(
-        2, ge=1, description="Most replicas added in one decision.",
+        16, ge=1,
+        description="Most replicas added in one decision (the step is proportional to the "
+        "pressure; 2 needed several 30 s start-ups to triple capacity).",
     )
     stats_stale_after_s: float = Field(
         10.0, gt=0.0,

@@ -44,13 +44,8 @@ from ray.serve.request_router import (
 )
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.router_policy import (
-    InFlightTracker,
-    PrefixAffinityTable,
-    prefix_hash,
-    rank_replicas,
-    to_rank_groups,
-)
+from iterserve.autoscale.router_policy import to_rank_groups
+from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
 
@@ -108,10 +103,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:  # noqa: ANN401
         self.config = RouterConfig(**kwargs)
-        self._affinity: PrefixAffinityTable[ReplicaID] = PrefixAffinityTable(
-            self.config.prefix_max_entries
-        )
-        self._in_flight: InFlightTracker[ReplicaID] = InFlightTracker()
+        self._core: KVRouterCore[ReplicaID] = KVRouterCore(self.config)
         self._rng = random.Random()
         self._metrics = RouterMetrics(self.config.model_name)
 
@@ -124,20 +116,17 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     def _loads(self, replicas: Sequence[RunningReplica]) -> dict[ReplicaID, ReplicaLoad | None]:
         return {r.replica_id: ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas}
 
-    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int]:
-        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, or 0)."""
+    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int, int]:
+        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, prompt length),
+        zeros when the request carries no token ids."""
         if pending_request is None:
-            return None, 0
+            return None, 0, 0
         token_ids = extract_prompt_token_ids(pending_request.args, pending_request.kwargs)
         if token_ids is None:
-            return None, 0
+            return None, 0, 0
         max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
-        key = None
-        if self.config.prefix_affinity:
-            key = prefix_hash(
-                token_ids, self.config.prefix_block_size, self.config.prefix_num_blocks
-            )
-        return key, len(token_ids) + max_tokens
+        key, footprint = self._core.request_key(token_ids, max_tokens)
+        return key, footprint, len(token_ids)
 
     async def choose_replicas(
         self,
@@ -153,17 +142,11 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self._rng.shuffle(shuffled)
         by_id = {r.replica_id: r for r in shuffled}
         loads = self._loads(shuffled)
-        key, num_tokens = self._prompt(pending_request)
-        ranked = rank_replicas(
-            candidates=list(by_id),
-            loads=loads,
-            in_flight_corrections=self._in_flight.corrections(loads),
-            config=self.config,
-            prompt_prefix_hash=key,
-            affinity=self._affinity.as_mapping(),
-            now=time.time(),
-            request_tokens=num_tokens,
-        )
+        key, num_tokens, prompt_tokens = self._prompt(pending_request)
+        # Replicas do not report their prefix-cache block hashes to Ray's router yet, so
+        # cached_tokens is unknown here and the affinity table stands in for it.
+        ranked = self._core.rank(list(by_id), loads, key, num_tokens, time.time(),
+                                 prompt_tokens=prompt_tokens)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
@@ -177,32 +160,24 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         result: ReplicaResult,
     ) -> None:
         self._ensure_state()
-        key, num_tokens = self._prompt(pending_request)
-        self._in_flight.routed(
-            pending_request.metadata.internal_request_id,
-            replica_id,
-            time.time(),
-            prompt_tokens=num_tokens,
-        )
-        self._affinity.record(key, replica_id)
+        key, num_tokens, prompt_tokens = self._prompt(pending_request)
+        self._core.routed(pending_request.metadata.internal_request_id, replica_id,
+                          time.time(), key, num_tokens, prefill_tokens=prompt_tokens)
         self._metrics.record_decision(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
-        self._in_flight.completed(internal_request_id)
+        self._core.completed(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._ensure_state()
-        live = {r.replica_id for r in replicas}
-        for rid in {rid for rid in self._affinity.as_mapping().values() if rid not in live}:
-            self._affinity.forget_replica(rid)
+        self._core.keep_only(r.replica_id for r in replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ensure_state()
-        self._affinity.forget_replica(replica_id)
-        self._in_flight.forget_replica(replica_id)
+        self._core.replica_died(replica_id)
 
 
 def request_router_config(config: RouterConfig | None = None) -> RequestRouterConfig:

@@ -21,7 +21,17 @@ L.timestamp and not yet seen complete):
     tier        = 2 if L.draining
                   1 if eff_kv + r >= kv_high_watermark or eff_waiting >= max_waiting
                   0 otherwise          ("would this request push the replica over the line?")
-    score       = waiting_weight * eff_waiting + kv_weight * eff_kv
+    prefill     = (U + P - H) / prefill_tokens_per_waiting     (score_prefill_work)
+    U           = uncached prompt tokens of the requests this router sent r that r's stats
+                  do not reflect yet (queued ahead of this one); P = this prompt's tokens;
+                  H = how many leading tokens of it r holds in its prefix cache (the
+                  replica's own answer, `cached_tokens`; 0 when unknown)
+    sent        = w * (W_r - min over candidates W) / prefill_tokens_per_waiting
+    w           = routed_work_weight * (1 - the largest share of this prompt any replica
+                  caches): where a replica holds the prefix, the cache term decides
+    W_r         = uncached prompt tokens this router sent r, decayed with
+                  routed_work_half_life_s (`RoutedWorkMeter`; none given: 0)
+    score       = waiting_weight * eff_waiting + kv_weight * eff_kv + prefill + sent
 
 Replicas are sorted by (tier, score), ties kept in candidate order (the Ray adapter shuffles
 candidates first so that independent routers do not all pick the same replica). With the
@@ -31,6 +41,11 @@ yet scores as idle plus its correction c (a just-started replica is idle). A rep
 stats are older than stats_stale_after_s keeps its last stats plus every request routed to
 it since, and is ranked in tier 1: a replica too busy to answer the stats poll is more
 likely overloaded than idle.
+
+Prefill work makes the score size-aware: a replica that was just sent two 6k-token prompts
+is further behind than one sent two 100-token prompts, and a replica that caches 6k tokens
+of this prompt saves that much prefill. Where the replicas' cache answers are known the
+affinity table below is not consulted: the cache term already says where the prefix is.
 
 Prefix affinity: a prompt's key is a hash of its first min(prefix_num_blocks, full blocks)
 blocks of prefix_block_size tokens. If the affinity table maps that key to a candidate in
@@ -65,6 +80,7 @@ class Correction:
     requests: int  # requests sent that the replica's stats do not reflect yet
     prompt_tokens: int = 0  # their KV footprint (prompt + max_tokens), when known (0: unknown)
     committed_tokens: int = 0  # KV footprint of every request sent and not seen complete
+    prefill_tokens: int = 0  # uncached prompt tokens of the unseen requests (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -157,9 +173,19 @@ def score_replicas(
     config: RouterConfig,
     now: float | None = None,
     request_tokens: int = 0,
+    prompt_tokens: int = 0,
+    cached_tokens: Mapping[R, int] | None = None,
+    routed_work: Mapping[R, float] | None = None,
 ) -> list[ReplicaScore]:
     """Score every candidate (same order as candidates); see the module docstring."""
     scores = []
+    per_waiting = config.prefill_tokens_per_waiting
+    work = routed_work or {}
+    least_work = min((work.get(r, 0.0) for r in candidates), default=0.0)
+    # Where some replica caches most of this prompt, where it goes is the cache's call
+    # (within the load terms); the meter weighs in by the share that is not cached anywhere.
+    best_hit = max(cached_tokens.values(), default=0) if cached_tokens else 0
+    work_weight = config.routed_work_weight * (1.0 - min(1.0, best_hit / max(1, prompt_tokens)))
     for rid in candidates:
         load = loads.get(rid)
         correction = _as_correction(in_flight_corrections.get(rid))
@@ -170,6 +196,12 @@ def score_replicas(
         draining = load is not None and load.draining
         tier = TIER_DRAINING if draining else TIER_HOT if hot else TIER_OK
         score = config.waiting_weight * eff_waiting + config.kv_weight * eff_kv
+        if config.score_prefill_work:
+            hit = 0 if cached_tokens is None else cached_tokens.get(rid, 0)
+            own = max(0, prompt_tokens - hit)
+            score += (correction.prefill_tokens + own) / per_waiting
+        if work:
+            score += work_weight * (work.get(rid, 0.0) - least_work) / per_waiting
         scores.append(ReplicaScore(rid, tier, score, eff_waiting, eff_kv, stale))
     return scores
 
@@ -183,6 +215,9 @@ def rank_replicas(
     affinity: Mapping[int, R] | None = None,
     now: float | None = None,
     request_tokens: int = 0,
+    prompt_tokens: int = 0,
+    cached_tokens: Mapping[R, int] | None = None,
+    routed_work: Mapping[R, float] | None = None,
 ) -> list[R]:
     """Candidates best first. Pure: reads no clock (`now` is the caller's time.time()).
 
@@ -191,13 +226,17 @@ def rank_replicas(
     replica that its stats do not reflect yet (see `InFlightTracker.corrections`).
     affinity: prefix hash -> the replica that served it last. request_tokens: the KV
     footprint (prompt + max_tokens) of the request being routed (0: unknown).
+    prompt_tokens: its prompt length; cached_tokens: per replica, how many leading prompt
+    tokens it holds in its prefix cache (None: unknown; then the affinity table decides).
     """
     scores = score_replicas(candidates, loads, in_flight_corrections, config, now,
-                            request_tokens)
+                            request_tokens, prompt_tokens, cached_tokens, routed_work)
     order = sorted(range(len(scores)), key=lambda i: (scores[i].tier, scores[i].score, i))
     ranked: list[R] = [candidates[i] for i in order]
     if not (config.prefix_affinity and prompt_prefix_hash is not None and affinity):
         return ranked
+    if cached_tokens is not None and config.score_prefill_work:
+        return ranked  # the replicas' own cache answers already scored the prefix
     preferred = affinity.get(prompt_prefix_hash)
     if preferred is None or preferred not in candidates:
         return ranked
@@ -244,6 +283,31 @@ class PrefixAffinityTable(Generic[R]):
         return len(self._table)
 
 
+class RoutedWorkMeter(Generic[R]):
+    """Prefill tokens this router sent each replica, decayed exponentially (no clock: times
+    are passed in). A replica that joins starts at 0 and is compared with the least-sent
+    one, so it takes extra work only until it catches up, never a flood."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self._half_life_s = half_life_s
+        self._tokens: dict[R, tuple[float, float]] = {}  # replica -> (tokens, as of time)
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        tokens, at = entry
+        return tokens * 0.5 ** (max(0.0, now - at) / self._half_life_s)
+
+    def add(self, replica_id: R, tokens: int, now: float) -> None:
+        entry = self._tokens.get(replica_id)
+        base = 0.0 if entry is None else self._decayed(entry, now)
+        self._tokens[replica_id] = (base + tokens, now)
+
+    def snapshot(self, now: float) -> dict[R, float]:
+        return {rid: self._decayed(e, now) for rid, e in self._tokens.items()}
+
+    def forget_replica(self, replica_id: R) -> None:
+        self._tokens.pop(replica_id, None)
+
+
 class InFlightTracker(Generic[R]):
     """The router's own count of requests it routed and has not seen complete.
 
@@ -253,34 +317,38 @@ class InFlightTracker(Generic[R]):
     """
 
     def __init__(self) -> None:
-        self._by_request: dict[str, tuple[R, float, int]] = {}
+        self._by_request: dict[str, tuple[R, float, int, int]] = {}
 
-    def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0) -> None:
-        self._by_request[request_id] = (replica_id, at, prompt_tokens)
+    def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0,
+               prefill_tokens: int = 0) -> None:
+        """prompt_tokens: the request's KV footprint (prompt + max_tokens);
+        prefill_tokens: its prompt tokens the replica must compute (uncached)."""
+        self._by_request[request_id] = (replica_id, at, prompt_tokens, prefill_tokens)
 
     def completed(self, request_id: str) -> R | None:
         entry = self._by_request.pop(request_id, None)
         return None if entry is None else entry[0]
 
     def forget_replica(self, replica_id: R) -> None:
-        for key in [k for k, (r, _, _) in self._by_request.items() if r == replica_id]:
+        for key in [k for k, (r, *_) in self._by_request.items() if r == replica_id]:
             del self._by_request[key]
 
     def in_flight(self, replica_id: R) -> int:
-        return sum(1 for r, _, _ in self._by_request.values() if r == replica_id)
+        return sum(1 for r, *_ in self._by_request.values() if r == replica_id)
 
     def corrections(self, loads: Mapping[R, ReplicaLoad | None]) -> dict[R, Correction]:
         """Per replica: requests routed after its stats were taken (unseen) and the KV
         footprint of everything in flight there."""
         counts: dict[R, list[int]] = {}
-        for rid, at, tokens in self._by_request.values():
-            entry = counts.setdefault(rid, [0, 0, 0])
+        for rid, at, tokens, prefill in self._by_request.values():
+            entry = counts.setdefault(rid, [0, 0, 0, 0])
             entry[2] += tokens
             load = loads.get(rid)
             if load is None or at > load.timestamp:
                 entry[0] += 1
                 entry[1] += tokens
-        return {rid: Correction(n, t, c) for rid, (n, t, c) in counts.items()}
+                entry[3] += prefill
+        return {rid: Correction(n, t, c, p) for rid, (n, t, c, p) in counts.items()}
 
     def __len__(self) -> int:
         return len(self._by_request)

@@ -1,8 +1,12 @@
 """One replica's load, as the router and the autoscaler see it.
 
-`ReplicaLoad` is what `LLMReplica.record_routing_stats()` returns (as `to_dict()`) and what
-`record_autoscaling_stats()` returns (as `to_autoscaling_metrics()`, numbers only). It is
-built from the engine's `EngineStats` snapshot; nothing here reads a clock.
+`ReplicaLoad` is the one wire type of a replica's load: the replica builds it from the
+engine's `EngineStats` snapshot (`from_engine_stats`) and returns it from
+`record_routing_stats()` (as `to_dict()`) and `record_autoscaling_stats()` (as
+`to_autoscaling_metrics()`); the router parses it back (`from_dict`), the autoscaling policy
+reads its metric names, `/debug/replicas` shows `to_dict()`, and the cluster simulator passes
+it as is. Both dicts hold numbers only (Serve's autoscaling metrics require it). Nothing here
+reads a clock.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from iterserve.replica.stats import EngineStats
 ROUTING_STATS_PERIOD_S = 0.5
 
 # Names of the custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id]); the
-# same keys as the routing stats, so deploy's `load_signals(stats)` dict serves both.
+# same keys as the routing stats.
 METRIC_KV_USAGE = "kv_usage"
 METRIC_NUM_WAITING = "num_waiting"
 METRIC_NUM_RUNNING = "num_running"
@@ -46,6 +50,7 @@ class ReplicaLoad:
     timestamp: float
     max_waiting_requests: int | None = None
     draining: bool = False
+    num_preemptions: int = 0  # cumulative (dashboards and /debug/replicas)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
@@ -70,6 +75,7 @@ class ReplicaLoad:
             timestamp=float(stats.timestamp),
             max_waiting_requests=stats.max_waiting_requests,
             draining=draining,
+            num_preemptions=int(stats.num_preemptions),
         )
 
     @classmethod
@@ -85,11 +91,12 @@ class ReplicaLoad:
                 num_total_blocks=int(float(data.get("num_total_blocks", 0))),
                 step_token_rate=float(data.get("step_token_rate", 0.0)),
                 timestamp=float(data["timestamp"]),
-                # deploy's load_signals sends -1.0 for an unbounded queue
+                # to_dict sends -1.0 for an unbounded queue (numbers only)
                 max_waiting_requests=(
                     None if max_waiting is None or float(max_waiting) < 0 else int(max_waiting)
                 ),
                 draining=float(data.get("draining", 0.0)) >= 0.5,
+                num_preemptions=int(float(data.get("num_preemptions", 0))),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc
@@ -104,9 +111,14 @@ class ReplicaLoad:
         except ValueError:
             return None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict: the return value of `record_routing_stats()`."""
-        return asdict(self)
+    def to_dict(self) -> dict[str, float]:
+        """Numbers only: the return value of `record_routing_stats()`; `from_dict` reads it."""
+        data = {k: float(v) for k, v in asdict(self).items()
+                if k not in ("max_waiting_requests", "draining")}
+        data["max_waiting_requests"] = float(
+            -1 if self.max_waiting_requests is None else self.max_waiting_requests)
+        data["draining"] = 1.0 if self.draining else 0.0
+        return data
 
     def to_autoscaling_metrics(self) -> dict[str, float]:
         """Numbers only: the return value of `record_autoscaling_stats()`."""

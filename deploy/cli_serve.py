@@ -19,90 +19,32 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import typing
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
-from iterserve.replica.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, SCHEDULER_POLICIES
+from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.deploy.settings import AppArgs
+from iterserve.replica.config import engine_settings
 
 logger = logging.getLogger("iterserve.serve")
 
-
-@dataclass(frozen=True)
-class EngineFlag:
-    flags: tuple[str, ...]  # first is the vLLM name, the rest aliases
-    dest: str  # EngineConfig.from_kwargs name
-    type: Any = int
-    choices: tuple[str, ...] | None = None
-    help: str = ""
-
-
-ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag(("--served-model-name",), "served_model_name", str, None,
-               "model name in the API (default: the model folder or file name)"),
-    EngineFlag(("--max-num-seqs", "--max-batch-size"), "max_num_seqs", int, None,
-               "most requests in one batch"),
-    EngineFlag(("--max-num-batched-tokens", "--max-num-tokens"), "max_num_batched_tokens",
-               int, None, "token budget of one iteration"),
-    EngineFlag(("--gpu-memory-utilization", "--kv-cache-free-gpu-memory-fraction"),
-               "gpu_memory_utilization", float, None, "fraction of GPU memory for the engine"),
-    EngineFlag(("--block-size", "--tokens-per-block"), "block_size", int, None,
-               "tokens per KV block"),
-    EngineFlag(("--scheduler-policy",), "scheduler_policy", str, SCHEDULER_POLICIES),
-    EngineFlag(("--batching",), "batching", str, BATCHING_MODES,
-               "continuous (iteration-level) or static batching"),
-    EngineFlag(("--max-model-len",), "max_model_len", int, None, "context length"),
-    EngineFlag(("--num-gpu-blocks-override",), "num_gpu_blocks_override", int, None,
-               "number of KV blocks (skips profiling)"),
-    EngineFlag(("--cpu-kv-cache-bytes",), "cpu_kv_cache_bytes", int, None,
-               "KV cache budget on CPU"),
-    EngineFlag(("--swap-space",), "swap_space", float, None,
-               "GiB of host swap for KV blocks (only 0: preemption recomputes)"),
-    EngineFlag(("--dtype",), "dtype", str, DTYPES),
-    EngineFlag(("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS),
-    EngineFlag(("--device",), "device", str, None, "auto, cuda or cpu"),
-    EngineFlag(("--max-waiting-requests",), "max_waiting_requests", int, None,
-               "bound of each replica's waiting queue; beyond it requests get 429"),
-    EngineFlag(("--max-logprobs",), "max_logprobs", int, None),
-    EngineFlag(("--admission-min-free-slots",), "admission_min_free_slots", int),
-    EngineFlag(("--admission-max-wait-ms",), "admission_max_wait_ms", float),
-    EngineFlag(("--seed",), "seed", int, None, "engine random seed"),
-)
-ENGINE_BOOL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--enable-chunked-prefill", "--enable-chunked-context"), "enable_chunked_prefill"),
-    (("--enable-prefix-caching",), "enable_prefix_caching"),
-    (("--enforce-eager",), "enforce_eager"),
-)
+# The AppArgs fields that are flags of `iterserve serve` (their type, default and help come
+# from the field); the engine's flags come from EngineConfig's fields (`add_engine_flags`).
+APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
+             "max_ongoing_requests", "num_gpus_per_replica", "num_cpus_per_replica",
+             "num_ingress_replicas", "api_key_file", "max_body_bytes", "drain_timeout_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iterserve serve", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=None,
-                        help="HF checkpoint folder, .gguf file, or iterserve-tiny (the tiny random-weight "
-                             "test model); default: the built-in SmolLM2-135M-Instruct")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accepted Bearer key (repeatable; also env ITERSERVE_API_KEYS)")
-    parser.add_argument("--api-key-file", default=None, help="file with one key per line")
-    parser.add_argument("--num-replicas", default="1",
-                        help="LLMReplica count (one per GPU), or 'auto'")
-    parser.add_argument("--num-ingress-replicas", type=int, default=1)
-    parser.add_argument("--router", choices=("kv-prefix", "kv", "pow2"), default="kv-prefix",
-                        help="KV-aware router with or without prefix affinity, or Ray's default")
-    parser.add_argument("--min-replicas", type=int, default=1, help="with --num-replicas auto")
-    parser.add_argument("--max-replicas", type=int, default=4, help="with --num-replicas auto")
-    parser.add_argument("--sim-cost-model", default=None,
-                        help="simulated runner's cost model: a JSON file or inline JSON")
-    parser.add_argument("--max-ongoing-requests", type=int, default=256,
-                        help="Serve's per-replica in-flight bound")
-    parser.add_argument("--num-gpus-per-replica", type=float, default=None,
-                        help="default: 1 when the cluster has GPUs, else 0")
-    parser.add_argument("--max-body-bytes", type=int, default=None,
-                        help="request body limit (413 beyond it)")
-    parser.add_argument("--drain-timeout-s", type=float, default=None)
+    add_app_flags(parser.add_argument_group("deployment"))
     parser.add_argument("--address", default=None,
                         help="Ray address to join (e.g. auto, ray://head:10001); "
                              "default: start an embedded local Ray")
@@ -112,24 +54,51 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --address: deploy and exit instead of staying attached")
     parser.add_argument("--simulate", action="store_true",
                         help="use the simulated runner (cost model, no GPU): --runner simulated")
-    parser.add_argument("--runner", choices=("model", "simulated"), default=None)
-    engine = parser.add_argument_group("engine (vLLM names; TensorRT-LLM aliases)")
-    for flag in ENGINE_FLAGS:
-        engine.add_argument(*flag.flags, dest=flag.dest, type=flag.type, choices=flag.choices,
-                            default=None, help=flag.help or None)
-    for flags, dest in ENGINE_BOOL_FLAGS:
-        engine.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
-                            default=None)
+    add_engine_flags(parser.add_argument_group("engine (vLLM names; TensorRT-LLM aliases)"))
     return parser
+
+
+def add_engine_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per EngineConfig setting, generated from its declaration (name, aliases,
+    type, choices, help); a flag left out keeps the config's default."""
+    for spec in engine_settings():
+        flags = [f"--{name.replace('_', '-')}" for name in (spec.name, *spec.aliases)]
+        shown = _help(spec.help, spec.default)
+        if spec.type is bool:
+            group.add_argument(*flags, dest=spec.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=shown)
+        else:
+            group.add_argument(*flags, dest=spec.name, type=spec.type, choices=spec.choices,
+                               default=None, help=shown)
+
+
+def _help(text: str, default: object) -> str:
+    """The setting's help and its own default; the flag's argparse default stays None ("not
+    given"), and "%(default).0s" (prints nothing) keeps the formatter from adding it."""
+    shown = text if default is None else f"{text} (default: {default})"
+    return shown + "%(default).0s"
+
+
+def add_app_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per deployment setting of APP_FLAGS, generated from AppArgs' field."""
+    for name in APP_FLAGS:
+        info = AppArgs.model_fields[name]
+        choices = typing.get_args(info.annotation) \
+            if typing.get_origin(info.annotation) is Literal else None
+        options = [t for t in typing.get_args(info.annotation) if t is not type(None)]
+        kind = info.annotation if not options else options[0]
+        kind = str if choices or kind not in (int, float) or name == "num_replicas" else kind
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, choices=choices,
+                           default=None,
+                           help=_help(info.description or "", info.default))
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
     """Only the engine flags the user gave (EngineConfig keeps its defaults for the rest)."""
-    dests = [f.dest for f in ENGINE_FLAGS] + [dest for _, dest in ENGINE_BOOL_FLAGS]
-    kwargs = {d: getattr(args, d) for d in dests if getattr(args, d) is not None}
-    runner = "simulated" if args.simulate else args.runner
-    if runner is not None:
-        kwargs["runner"] = runner
+    kwargs = {spec.name: getattr(args, spec.name) for spec in engine_settings()
+              if getattr(args, spec.name) is not None}
+    if args.simulate:
+        kwargs["runner"] = "simulated"
     return kwargs
 
 
@@ -137,23 +106,10 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
     """The `AppArgs` dict for build_app (API keys are read here, passed as secrets)."""
     from iterserve.deploy.auth import load_api_keys
 
-    app: dict[str, Any] = {
-        "model": args.model,
-        "engine_kwargs": engine_kwargs_from(args),
-        "num_replicas": args.num_replicas,
-        "num_ingress_replicas": args.num_ingress_replicas,
-        "max_ongoing_requests": args.max_ongoing_requests,
-        "api_keys": list(load_api_keys(args.api_key, args.api_key_file)),
-        "router": args.router,
-        "min_replicas": args.min_replicas,
-        "max_replicas": args.max_replicas,
-    }
-    if args.num_gpus_per_replica is not None:
-        app["num_gpus_per_replica"] = args.num_gpus_per_replica
-    if args.max_body_bytes is not None:
-        app["max_body_bytes"] = args.max_body_bytes
-    if args.drain_timeout_s is not None:
-        app["drain_timeout_s"] = args.drain_timeout_s
+    app: dict[str, Any] = {name: getattr(args, name) for name in APP_FLAGS
+                           if getattr(args, name) is not None}
+    app["engine_kwargs"] = engine_kwargs_from(args)
+    app["api_keys"] = list(load_api_keys(args.api_key, args.api_key_file))
     return app
 
 
@@ -161,7 +117,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def start_ray(args: argparse.Namespace) -> str | None:
+def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> str | None:
     """Join `--address`, or start an embedded Ray sized for this machine.
 
     Returns the metrics folder to remove at exit (embedded mode), else None.
@@ -169,15 +125,11 @@ def start_ray(args: argparse.Namespace) -> str | None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if args.num_replicas == "auto":
-        from iterserve.autoscale.config import AutoscaleConfig
+    if autoscale is not None:
         from iterserve.autoscale.policy import autoscaling_env_vars
 
         # Serve reads its metric push intervals from the environment at start.
-        os.environ.update(autoscaling_env_vars(AutoscaleConfig(
-            min_replicas=args.min_replicas, max_replicas=args.max_replicas)))
-    if args.sim_cost_model:
-        os.environ["ITERSERVE_SIM_COST_MODEL"] = args.sim_cost_model  # replicas inherit it
+        os.environ.update(autoscaling_env_vars(autoscale))
     if args.address:
         ray.init(address=args.address, namespace="iterserve", log_to_driver=False)
         return None
@@ -189,21 +141,25 @@ def start_ray(args: argparse.Namespace) -> str | None:
     else:
         prepare_multiprocess_dir(metrics_dir)  # replicas inherit PROMETHEUS_MULTIPROC_DIR
     num_cpus = args.ray_num_cpus or max(2, os.cpu_count() or 2)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
-             object_store_memory=256 * 1024**2, log_to_driver=False)
+    print(f"iterserve: starting Ray (embedded, {num_cpus} CPUs)", flush=True)
+    # address="local": a fresh cluster of our own, never one a `ray start` left on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
+             object_store_memory=256 * 1024**2, log_to_driver=False,
+             logging_level=logging.WARNING)
     return metrics_dir
 
 
 def run(argv: list[str]) -> int:
     """Entry point of `iterserve serve`."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from iterserve.deploy.app import APP_NAME, AppArgs, build_app
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("ray", "ray.serve"):  # a newcomer sees our lines, not Ray's start-up chatter
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from iterserve.deploy.app import APP_NAME, build_app, resolve_app
 
     try:
-        app_args = AppArgs.model_validate(app_args_from(args))
-        app_args.engine_config()
-    except ValueError as error:
+        settings = resolve_app(app_args_from(args))
+    except (ValueError, FileNotFoundError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
     from ray import serve
@@ -214,14 +170,20 @@ def run(argv: list[str]) -> int:
     embedded = args.address is None
     metrics_dir: str | None = None
     try:
-        metrics_dir = start_ray(args)
+        engine = settings.engine
+        print(f"iterserve: model {engine.served_model_name} ({engine.model or 'built-in'}; "
+              f"{engine.device}, {engine.dtype})", flush=True)
+        metrics_dir = start_ray(args, settings.autoscale)
         serve.start(http_options={"host": args.host, "port": args.port},
                     proxy_location="HeadOnly" if embedded else "EveryNode")
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # serve.start reset it
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        app_args = settings.args
         keys = f", {len(app_args.api_keys)} API key(s)" if app_args.api_keys else ""
-        print(f"iterserve: ready at http://{host}:{args.port}/v1 "
-              f"({app_args.num_replicas} replica(s){keys}); Ctrl-C to stop", flush=True)
+        print(f"iterserve: ready at http://{host}:{args.port}/v1 serving "
+              f"{settings.engine.served_model_name} ({app_args.num_replicas} replica(s){keys}); "
+              "Ctrl-C to stop", flush=True)
         if args.detach and not embedded:
             return 0
         while True:

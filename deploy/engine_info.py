@@ -1,7 +1,7 @@
 """Engine-side helpers shared by the Serve replica and the in-process client (no Ray here).
 
-`load_signals` is the one place that turns EngineStats into the flat numeric dict that the
-router (`record_routing_stats`) and the autoscaler (`record_autoscaling_stats`) read.
+`describe_engine` is what `/debug/replicas` and the ingress read of one engine (its load as
+`ReplicaLoad.to_dict()`, the same record the router reads).
 `stream_engine` wraps `AsyncLLMEngine.generate` so that engine errors raised before the first
 output travel as `EngineErrorInfo` records and the request is always aborted on early exit.
 """
@@ -12,34 +12,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.errors import EngineErrorInfo, engine_error_info
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
-from iterserve.replica.stats import EngineStats
-
-
-def load_signals(stats: EngineStats, draining: bool = False) -> dict[str, float]:
-    """The engine's load as numbers: what routers and autoscaling policies consume.
-
-    Keys: kv_usage (0..1), num_waiting, num_running, num_free_blocks, num_total_blocks,
-    num_preemptions (cumulative), step_token_rate (tokens/s), max_waiting_requests (-1 when
-    unbounded), draining (1.0 while the engine admits nothing new), timestamp (time.time()
-    of the snapshot). All values are floats so that `record_autoscaling_stats` accepts them;
-    `iterserve.autoscale.signals.ReplicaLoad.from_dict` parses this dict.
-    """
-    return {
-        "kv_usage": float(stats.kv_usage),
-        "num_waiting": float(stats.num_waiting),
-        "num_running": float(stats.num_running),
-        "num_free_blocks": float(stats.num_free_blocks),
-        "num_total_blocks": float(stats.num_total_blocks),
-        "num_preemptions": float(stats.num_preemptions),
-        "step_token_rate": float(stats.step_token_rate),
-        "max_waiting_requests": float(-1 if stats.max_waiting_requests is None
-                                      else stats.max_waiting_requests),
-        "draining": 1.0 if draining else 0.0,
-        "timestamp": float(stats.timestamp),
-    }
 
 
 def flat_config(config: Any) -> dict[str, Any]:
@@ -74,7 +50,8 @@ def describe_engine(engine: Any, extra: dict[str, Any] | None = None) -> dict[st
         "max_logprobs": config.max_logprobs,
         "vocab_size": getattr(tokenizer, "vocab_size", None),
         "config": {**flat_config(config), "num_gpu_blocks": stats.num_total_blocks},
-        "stats": load_signals(stats, bool(getattr(engine, "is_draining", False))),
+        "stats": ReplicaLoad.from_engine_stats(
+            stats, bool(getattr(engine, "is_draining", False))).to_dict(),
     }
     info.update(extra or {})
     return info

@@ -6,7 +6,8 @@ engine's generator and aborts the request so its KV blocks are freed. Engine err
 before the first output are yielded as `EngineErrorInfo` records rather than raised, so they
 cross the handle intact (no RayTaskError wrapping).
 
-`record_routing_stats` / `record_autoscaling_stats` return `load_signals(engine.stats())`.
+`record_routing_stats` / `record_autoscaling_stats` return the replica's `ReplicaLoad`
+(autoscale/signals.py), the one wire type of its load.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from iterserve.deploy.engine_info import describe_engine, load_signals, stream_engine
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.deploy.engine_info import describe_engine, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
+from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMReplica", "load_signals", "replica_actor_options"]
+__all__ = ["LLMReplica", "replica_actor_options"]
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
@@ -53,6 +56,14 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The replica's engine settings: cpu_threads defaults to every core but one, so the
+    engine's matmuls leave a core to this node's HTTP proxy and ingress."""
+    from iterserve.replica.config import replica_cpu_threads
+
+    return {"cpu_threads": replica_cpu_threads(), **(engine_kwargs or {})}
+
+
 def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
     """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
     try:
@@ -76,13 +87,12 @@ def _install_stat_logger(engine: Any, replica_id: str) -> Any | None:
 class LLMReplica:
     """One engine per replica; streams RequestOutput deltas to the ingress."""
 
-    async def __init__(self, model: str | None = None,
-                       engine_kwargs: dict[str, Any] | None = None,
+    async def __init__(self, engine_config: EngineConfig,
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
-        from iterserve.replica import AsyncLLMEngine, EngineConfig
+        """engine_config: resolved once by the deployment (deploy/settings.py)."""
+        from iterserve.replica import AsyncLLMEngine
 
-        config = EngineConfig.from_kwargs(model=model, **(engine_kwargs or {}))
-        self.engine = AsyncLLMEngine(config)
+        self.engine = AsyncLLMEngine(engine_config)
         self._replica_id = self._current_replica_id()
         self._stat_logger = _install_stat_logger(self.engine, self._replica_id)
         self._drain_timeout_s = drain_timeout_s
@@ -131,11 +141,14 @@ class LLMReplica:
 
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
-        return load_signals(self.engine.stats(), self._admits_nothing)
+        return self._load().to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""
-        return load_signals(self.engine.stats(), self._admits_nothing)
+        return self._load().to_autoscaling_metrics()
+
+    def _load(self) -> ReplicaLoad:
+        return ReplicaLoad.from_engine_stats(self.engine.stats(), self._admits_nothing)
 
     @property
     def _admits_nothing(self) -> bool:

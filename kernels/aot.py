@@ -1,321 +1,200 @@
-"""Compile every kernel for a GPU target without a GPU: `python -m iterserve.kernels.aot`.
+"""Compile the kernels for a GPU without one: `python -m iterserve.kernels.aot [--markdown]`.
 
-The interpreter does not enforce tl.dot shape rules, shared-memory or register limits, so a
-kernel can pass every CPU test and still fail to compile for Hopper. This module compiles each
-kernel, in the configurations its launcher picks, with triton.compile(ASTSource, GPUTarget)
-all the way to a cubin (the triton wheel ships ptxas) and reports the shared memory each one
-needs. It must run without TRITON_INTERPRET: under the interpreter @triton.jit returns an
-InterpretedFunction, which cannot be compiled.
+The interpreter enforces none of tl.dot's shape rules, layouts, shared-memory or register
+limits, and says nothing of software pipelining, so this compiles every specialisation the
+engine can launch down to a cubin (the triton wheel ships ptxas) and reports, per kernel:
+registers per thread (cuobjdump), shared memory, resident CTAs per SM, and whether each KV
+loop (a loop with a tl.dot) is pipelined: a `ttg.async_wait` with num > 0 inside the loop
+means the next tiles' loads are still in flight while this tile computes.
+
+The specialisations are exactly the runtime's: each comes from the launcher's own Launch
+(launch.py), built from host tensors of the shapes the engine uses, and goes through
+triton's own argument binder for the target backend, so pointers and ints get the same
+16-divisibility marks (and ints equal to 1 the same constexpr) the JIT would give them.
+It must run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from iterserve.kernels._common import elementwise_num_warps, is_interpreting, next_power_of_2
-from iterserve.kernels.activation import silu_and_mul_kernel
-from iterserve.kernels.kv_cache import write_kv_cache_kernel
-from iterserve.kernels.norm import rms_norm_kernel
-from iterserve.kernels.paged_attention import attention_config, paged_attention_kernel
-from iterserve.kernels.rotary import rotary_embedding_kernel
-from iterserve.kernels.split_kv import (
-    DECODE_TILE_N,
-    MAX_SPLITS,
-    split_kv_decode_kernel,
-    split_kv_reduce_kernel,
-)
+from iterserve.kernels._common import is_interpreting
+from iterserve.kernels.aot_shapes import all_launches
+from iterserve.kernels.launch import Launch
 
 # Max shared memory one block can use on H100/H200 (sm_90): 227 KB of the SM's 228 KB.
 SM90_MAX_SHARED_BYTES = 227 * 1024
-# NVIDIA warps are 32 threads; GPUTarget's third field is the warp size.
-WARP_SIZE = 32
+SM90_SHARED_PER_SM = 228 * 1024
+SM90_RESERVED_SHARED_PER_CTA = 1024  # the driver reserves 1 KB per resident block
+SM90_REGISTERS_PER_SM = 65536
+SM90_MAX_WARPS_PER_SM = 64
+SM90_MAX_CTAS_PER_SM = 32
+WARP_SIZE = 32  # GPUTarget's third field
+# Decode is memory-bound: enough resident CTAs per SM to keep loads in flight.
+MIN_DECODE_CTAS_PER_SM = 3
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-@dataclass
-class KernelSpec:
-    """One kernel in one launch configuration, described for triton.compile."""
-
-    name: str
-    kernel: object  # a triton JITFunction
-    signature: dict[str, str]  # arg name -> triton type ("*bf16", "i32", "fp32", "constexpr")
-    constexprs: dict[str, object]
-    num_warps: int = 4
-    num_stages: int = 3
-    # Args the real launch would see as 16-divisible (aligned pointers, strides, sizes).
-    aligned: list[str] = field(default_factory=list)
+def bind(launch: Launch, target: GPUTarget) -> tuple[ASTSource, dict[str, Any]]:
+    """The (source, options) triton's JIT would compile for this launch on `target`."""
+    kernel = launch.kernel
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "debug": False}
+    bound, specialization, options = binder(*launch.args, **launch.constexprs, **kwargs)
+    # The same packing JITFunction.run does before it compiles (triton 3.9).
+    opts, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, options)
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), opts.__dict__
 
 
-def _sig(kernel: object, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
-    names = kernel.arg_names  # type: ignore[attr-defined]
-    sig = {}
-    for name in names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in types:
-            sig[name] = types[name]
+def kv_loops(ttgir: str) -> list[str]:
+    """The text of each outermost scf.for in the TTGIR that contains a dot."""
+    lines = ttgir.splitlines()
+    loops, i = [], 0
+    while i < len(lines):
+        if "scf.for" in lines[i]:
+            depth, j = 0, i
+            while j < len(lines):
+                depth += lines[j].count("{") - lines[j].count("}")
+                if depth <= 0 and j > i:
+                    break
+                j += 1
+            body = "\n".join(lines[i : j + 1])
+            if "tt.dot" in body or "warp_group_dot" in body:
+                loops.append(body)
+            i = j + 1
         else:
-            raise ValueError(f"{kernel}: no type given for argument {name}")
-    return sig
+            i += 1
+    return loops
 
 
-def _spec(
-    name: str,
-    kernel: object,
-    types: dict[str, str],
-    constexprs: dict[str, object],
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> KernelSpec:
-    aligned = [n for n, t in types.items() if t.startswith("*") or n.startswith("stride")]
-    return KernelSpec(
-        name,
-        kernel,
-        _sig(kernel, types, constexprs),
-        constexprs,
-        num_warps,
-        num_stages,
-        aligned,
-    )
+def is_pipelined(loop: str) -> bool:
+    return any(int(n) > 0 for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", loop))
 
 
-# (head_dim, group, tokens, seqs): the batch shapes attention_config maps to tile configs.
-SERVING_SHAPES = [
-    (128, 4, 64, 64),  # pure decode, Llama-3-8B heads
-    (128, 4, 512, 32),  # mixed batch
-    (128, 4, 4096, 1),  # long prefill chunk
-    (128, 8, 4096, 1),
-    (64, 1, 64, 64),
-    (64, 8, 4096, 1),
-    (256, 2, 4096, 1),  # Gemma-style head dim
-]
-# Every spec uses the num_warps / num_stages its launcher passes (triton's default stages: 3).
-# Other dtypes: one shape per tile config is enough (fp32 dots compile slowly: no MMA).
-SPOT_SHAPES = [(128, 4, 64, 64), (128, 4, 512, 32), (64, 8, 4096, 1)]
+def registers(cubin: bytes) -> int | None:
+    if not CUOBJDUMP.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", text)
+    return int(found.group(1)) if found else None
 
 
-def _attention_specs(
-    dtype: str, tl_dtype: tl.dtype, index: str, shapes: list[tuple[int, int, int, int]]
-) -> list[KernelSpec]:
-    specs = []
-    for head_dim, group, tokens, seqs in shapes:
-        cfg = attention_config(tokens, seqs, group, head_dim)
-        types = {
-            "out_ptr": f"*{dtype}",
-            "query_ptr": f"*{dtype}",
-            "k_cache_ptr": f"*{dtype}",
-            "v_cache_ptr": f"*{dtype}",
-            "query_start_loc_ptr": f"*{index}",
-            "seq_lens_ptr": f"*{index}",
-            "block_tables_ptr": f"*{index}",
-            "scale_log2": "fp32",
-            "num_seqs": "i32",
-            "head_dim": "i32",
-        }
-        types |= {n: "i32" for n in paged_attention_kernel.arg_names if n.startswith("stride")}
-        constexprs = {
-            "GROUP": group,
-            "BLOCK_Q": cfg["BLOCK_Q"],
-            "BLOCK_M": cfg["BLOCK_M"],
-            "BLOCK_D": next_power_of_2(head_dim),
-            "TILE_N": cfg["TILE_N"],
-            "BLOCK_SIZE": 16,
-            "DOT_DTYPE": tl_dtype,
-        }
-        specs.append(
-            _spec(
-                f"paged_attention[D={head_dim},G={group},BLOCK_M={cfg['BLOCK_M']},{dtype},{index}]",
-                paged_attention_kernel,
-                types,
-                constexprs,
-                cfg["num_warps"],
-                cfg["num_stages"],
-            )
-        )
-    for head_dim, group in sorted({(d, g) for d, g, _, _ in shapes if d <= 128}):
-        types = {
-            "partial_out_ptr": "*fp32",
-            "partial_lse_ptr": "*fp32",
-            "query_ptr": f"*{dtype}",
-            "k_cache_ptr": f"*{dtype}",
-            "v_cache_ptr": f"*{dtype}",
-            "seq_lens_ptr": f"*{index}",
-            "block_tables_ptr": f"*{index}",
-            "scale_log2": "fp32",
-            "head_dim": "i32",
-        }
-        types |= {n: "i32" for n in split_kv_decode_kernel.arg_names if n.startswith("stride")}
-        constexprs = {
-            "GROUP": group,
-            "BLOCK_M": max(16, next_power_of_2(group)),
-            "BLOCK_D": next_power_of_2(head_dim),
-            "TILE_N": DECODE_TILE_N,
-            "BLOCK_SIZE": 16,
-            "NUM_SPLITS": 16,
-            "DOT_DTYPE": tl_dtype,
-        }
-        specs.append(
-            _spec(
-                f"split_kv_decode[D={head_dim},G={group},{dtype},{index}]",
-                split_kv_decode_kernel,
-                types,
-                constexprs,
-            )
-        )
-    types = {
-        "out_ptr": f"*{dtype}",
-        "partial_out_ptr": "*fp32",
-        "partial_lse_ptr": "*fp32",
-        "seq_lens_ptr": f"*{index}",
-        "head_dim": "i32",
-        "stride_o_s": "i32",
-        "stride_o_h": "i32",
-    }
-    constexprs = {
-        "NUM_SPLITS": MAX_SPLITS,
-        "SPLITS_PAD": MAX_SPLITS,
-        "BLOCK_D": 128,
-        "TILE_N": DECODE_TILE_N,
-    }
-    specs.append(_spec(f"split_kv_reduce[{dtype},{index}]", split_kv_reduce_kernel, types, constexprs, 4, 3))
-    return specs
+def ctas_per_sm(regs: int | None, shared: int, num_warps: int) -> int:
+    """Resident CTAs per SM from registers (allocated per warp in 256s), shared memory, warps."""
+    by_warps = SM90_MAX_WARPS_PER_SM // num_warps
+    by_regs = by_warps
+    if regs:
+        per_warp = -(-regs * WARP_SIZE // 256) * 256
+        by_regs = SM90_REGISTERS_PER_SM // (per_warp * num_warps)
+    by_shared = SM90_SHARED_PER_SM // (shared + SM90_RESERVED_SHARED_PER_CTA)
+    return min(by_warps, by_regs, by_shared, SM90_MAX_CTAS_PER_SM)
 
 
-def _small_specs(dtype: str) -> list[KernelSpec]:
-    specs = []
-    for hidden, add in [(4096, True), (8192, False), (16384, True)]:
-        block = next_power_of_2(hidden)
-        types = {
-            "x_ptr": f"*{dtype}",
-            "residual_ptr": f"*{dtype}",
-            "weight_ptr": f"*{dtype}",
-            "out_ptr": f"*{dtype}",
-            "residual_out_ptr": f"*{dtype}",
-            "stride_x": "i32",
-            "stride_residual": "i32",
-            "hidden": "i32",
-            "eps": "fp32",
-        }
-        specs.append(
-            _spec(
-                f"rms_norm[H={hidden},add={add},{dtype}]",
-                rms_norm_kernel,
-                types,
-                {"ADD_RESIDUAL": add, "BLOCK": block},
-                elementwise_num_warps(block),
-                3,
-            )
-        )
-    types = {
-        "positions_ptr": "*i64",
-        "query_ptr": f"*{dtype}",
-        "key_ptr": f"*{dtype}",
-        "cos_sin_ptr": "*fp32",
-    }
-    types |= {n: "i32" for n in rotary_embedding_kernel.arg_names if n.startswith("stride")}
-    types |= {"num_heads": "i32", "num_kv_heads": "i32", "half": "i32"}
-    specs.append(
-        _spec(
-            f"rotary[D=128,{dtype}]", rotary_embedding_kernel, types, {"BLOCK_H": 32, "BLOCK_HALF": 64}, 4, 3
-        )
-    )
-    specs.append(
-        _spec(
-            f"silu_and_mul[{dtype}]",
-            silu_and_mul_kernel,
-            {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "stride_x": "i32", "inter": "i32"},
-            {"BLOCK": 1024},
-            4,
-            3,
-        )
-    )
-    types = {
-        "key_ptr": f"*{dtype}",
-        "value_ptr": f"*{dtype}",
-        "k_cache_ptr": f"*{dtype}",
-        "v_cache_ptr": f"*{dtype}",
-        "slot_mapping_ptr": "*i64",
-        "num_kv_heads": "i32",
-        "head_dim": "i32",
-    }
-    types |= {n: "i32" for n in write_kv_cache_kernel.arg_names if n.startswith("stride")}
-    specs.append(
-        _spec(
-            f"write_kv_cache[{dtype}]",
-            write_kv_cache_kernel,
-            types,
-            {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
-            4,
-            3,
-        )
-    )
-    return specs
-
-
-def all_specs() -> list[KernelSpec]:
-    # bf16 is the serving dtype; fp16 with int64 metadata and fp32 (ieee dots, the GPU test
-    # path) cover the other dtypes and index widths the launchers accept.
-    return (
-        _attention_specs("bf16", tl.bfloat16, "i32", SERVING_SHAPES)
-        + _attention_specs("fp16", tl.float16, "i64", SPOT_SHAPES)
-        + _attention_specs("fp32", tl.float32, "i32", SPOT_SHAPES)
-        + _small_specs("bf16")
-    )
-
-
-def compile_spec(spec: KernelSpec, arch: int) -> dict[str, object]:
-    """Compile one spec for cuda:arch; returns name, stages produced, shared bytes, seconds."""
-    names = list(spec.signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.aligned}
-    src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+def compile_launch(name: str, launch: Launch, arch: int) -> dict[str, object]:
+    target = GPUTarget("cuda", arch, WARP_SIZE)
+    src, options = bind(launch, target)
     start = time.perf_counter()
-    compiled = triton.compile(
-        src,
-        target=GPUTarget("cuda", arch, WARP_SIZE),
-        options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
-    )
+    compiled = triton.compile(src, target=target, options=options)
+    shared = int(compiled.metadata.shared)
+    regs = registers(compiled.asm["cubin"]) if "cubin" in compiled.asm else None
+    loops = kv_loops(compiled.asm["ttgir"])
     return {
-        "name": spec.name,
+        "name": name,
         "stages": sorted(compiled.asm.keys()),
-        "shared": int(compiled.metadata.shared),
-        "num_warps": spec.num_warps,
-        "num_stages": spec.num_stages,
+        "registers": regs,
+        "shared": shared,
+        "num_warps": launch.num_warps,
+        "num_stages": launch.num_stages,
+        "ctas_per_sm": ctas_per_sm(regs, shared, launch.num_warps),
+        "kv_loops": len(loops),
+        "pipelined_loops": sum(is_pipelined(loop) for loop in loops),
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def check(result: dict[str, object]) -> str | None:
+    """Why a compiled specialisation is not fit to ship, or None."""
+    if int(result["shared"]) > SM90_MAX_SHARED_BYTES:
+        return f"needs {result['shared']} B shared > {SM90_MAX_SHARED_BYTES}"
+    if result["pipelined_loops"] != result["kv_loops"]:
+        return f"{result['kv_loops'] - result['pipelined_loops']} KV loop(s) not pipelined"
+    name = str(result["name"])
+    # fp32 caches are the test path (exact ieee dots), not a serving dtype: no occupancy goal.
+    is_decode = name.startswith(("paged_attention.decode", "split_kv_decode"))
+    if is_decode and "fp32" not in name and int(result["ctas_per_sm"]) < MIN_DECODE_CTAS_PER_SM:
+        return f"decode runs {result['ctas_per_sm']} CTAs/SM < {MIN_DECODE_CTAS_PER_SM}"
+    return None
+
+
+def markdown(results: list[dict[str, object]]) -> str:
+    head = (
+        "| kernel specialisation | warps | stages | registers | shared KB | CTAs/SM | KV loops pipelined |\n"
+        "|---|---:|---:|---:|---:|---:|---|\n"
+    )
+    rows = []
+    for r in results:
+        if "error" in r and "shared" not in r:
+            rows.append(f"| {r['name']} | | | | | | FAILED: {r['error']} |")
+            continue
+        loops = f"{r['pipelined_loops']}/{r['kv_loops']}" if r["kv_loops"] else "no KV loop"
+        rows.append(
+            f"| {r['name']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
+            f"{int(r['shared']) / 1024:.1f} | {r['ctas_per_sm']} | {loops} |"
+        )
+    return head + "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90")
     parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
+    parser.add_argument("--markdown", action="store_true", help="print one markdown table at the end")
+    parser.add_argument("--only", default="", help="compile only names containing this")
     args = parser.parse_args(argv)
     if is_interpreting():
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
-    failures = 0
-    for spec in all_specs():
+    failures, results = 0, []
+    for name, launch in all_launches():
+        if args.only not in name:
+            continue
         try:
-            result = compile_spec(spec, args.arch)
+            result = compile_launch(name, launch, args.arch)
         except Exception as exc:  # report every kernel's failure, then fail at the end
-            failures += 1
-            result = {"name": spec.name, "error": f"{type(exc).__name__}: {exc}"}
+            result = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
         else:
-            if result["shared"] > SM90_MAX_SHARED_BYTES:
-                failures += 1
-                result["error"] = f"needs {result['shared']} B shared > {SM90_MAX_SHARED_BYTES}"
+            problem = check(result)
+            if problem:
+                result["error"] = problem
+        failures += "error" in result
+        results.append(result)
         if args.json:
             print(json.dumps(result), flush=True)
-        else:
-            status = result.get("error") or f"ok shared={result['shared']} B {result['seconds']}s"
-            print(f"{spec.name:55s} {status}", flush=True)
+        elif not args.markdown:
+            status = result.get("error") or (
+                f"ok regs={result['registers']} shared={result['shared']} B "
+                f"ctas/sm={result['ctas_per_sm']} pipelined={result['pipelined_loops']}/{result['kv_loops']}"
+            )
+            print(f"{name:70s} {status}", flush=True)
+    if args.markdown:
+        print(markdown(results), end="")
     return 1 if failures else 0
 
 

@@ -1,16 +1,24 @@
-"""One varlen paged-attention kernel for prefill chunks and decodes in the same launch.
+"""Varlen paged attention for a flat batch: one launch for its decodes, one for its chunks.
 
-Each program owns BLOCK_Q query tokens of one sequence times the GROUP query heads that share
-one KV head. Those BLOCK_M = BLOCK_Q * GROUP (padded) rows form the M dimension of both dots,
-so each K/V tile is loaded once for the whole head group and tl.dot runs on tensor cores even
-for a single decode token (the vLLM unified-attention layout). The KV loop walks the sequence
-in TILE_N-token tiles, independent of the cache block size: each token's physical block is
-looked up in the block table.
+The engine lays a batch out decodes first (one query token each), then prefill chunks.
+`paged_attention` runs the two parts as separate launches of one kernel, specialised by the
+IS_DECODE constexpr:
 
-Programs are mapped to (sequence, query block) without a host sync: sequence i owns program
-ids [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1), which holds at least
-cdiv(q_len_i, BLOCK_Q) ids, so T // BLOCK_Q + S programs cover any batch; a program finds its
-sequence by binary search over query_start_loc and surplus programs exit at once.
+- decodes: one program per (sequence, KV head), BLOCK_Q = 1, the smallest M tile tl.dot
+  allows, deep K/V pipelining; or, when those programs cannot fill the GPU, split-KV
+  (flash-decoding, split_kv.py) with a split count chosen from the decode part alone.
+- chunks: BLOCK_Q query tokens x the GROUP query heads of one KV head per program (the vLLM
+  unified-attention layout), 128-row tiles so each K/V tile feeds many rows.
+
+Each program owns BLOCK_M = BLOCK_Q * GROUP (padded) rows, the M dimension of both dots, so
+each K/V tile is loaded once per head group and tl.dot runs on tensor cores even for one
+decode token. The KV loop walks TILE_N-token tiles independent of the cache block size.
+
+Chunk programs are mapped to (sequence, query block) without a host sync: chunk i of the
+launch owns program ids [(qsl[i] - qsl[0]) // BLOCK_Q + i, ...), at least cdiv(q_len,
+BLOCK_Q) of them, so (T - num_decodes) // BLOCK_Q + S - num_decodes programs cover the chunks.
+A program finds its chunk by binary search; within a chunk the last (heaviest, it sees the
+most keys) query block runs first, so the long programs do not land in the tail.
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ import triton
 import triton.language as tl
 
 from iterserve.kernels._common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_device,
     check_out,
@@ -29,8 +36,9 @@ from iterserve.kernels._common import (
     dot_dtype,
     next_power_of_2,
 )
-
-LOG2E = 1.4426950408889634
+from iterserve.kernels.attention_core import LOG2E, attend_range, check_paged_args
+from iterserve.kernels.launch import Launch
+from iterserve.kernels.split_kv import MAX_SPLITS, split_kv_launches
 
 
 @triton.jit
@@ -40,12 +48,13 @@ def find_seq_idx(
     pid: tl.tensor,
     BLOCK_Q: tl.constexpr,
 ) -> tl.tensor:
-    """The last sequence i whose first program id, qsl[i] // BLOCK_Q + i, is <= pid."""
+    """The last sequence i whose first program id, (qsl[i] - qsl[0]) // BLOCK_Q + i, is <= pid."""
+    base = tl.load(query_start_loc_ptr)
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid
         if first <= pid:
             lo = mid + 1
         else:
@@ -53,80 +62,18 @@ def find_seq_idx(
     return lo - 1
 
 
-@triton.jit
-def attend_tiles(
-    q: tl.tensor,  # [BLOCK_M, BLOCK_D] in DOT_DTYPE
-    query_pos: tl.tensor,  # [BLOCK_M] absolute position of each row's query token
-    m_i: tl.tensor,  # [BLOCK_M] fp32 running max (log2 domain)
-    l_i: tl.tensor,  # [BLOCK_M] fp32 running sum of exp2
-    acc: tl.tensor,  # [BLOCK_M, BLOCK_D] fp32 running output
-    k_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
-    v_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
-    block_table_row: tl.tensor,  # pointer to this sequence's [M] block ids
-    kv_head: tl.tensor,
-    kv_start: tl.tensor,
-    kv_end: tl.tensor,
-    scale_log2: tl.tensor,
-    head_dim: tl.tensor,
-    stride_cache_n: tl.tensor,
-    stride_cache_b: tl.tensor,
-    stride_cache_h: tl.tensor,
-    BLOCK_D: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Online softmax over cache positions [kv_start, kv_end) with causal masking per row."""
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    for tile in range(kv_start, kv_end, TILE_N):
-        pos = tile + tl.arange(0, TILE_N)
-        pos_valid = pos < kv_end
-        block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)
-        # int64 before multiplying by strides: block * stride overflows int32 on large caches.
-        offset = (
-            block.to(tl.int64) * stride_cache_n
-            + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_b
-            + kv_head * stride_cache_h
-        )
-        k = tl.load(  # K^T tile: [BLOCK_D, TILE_N]
-            k_cache_ptr + offset[None, :] + dims[:, None],
-            mask=dim_mask[:, None] & pos_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        # "ieee" keeps fp32 operands (test caches) exact instead of tf32; 16-bit operands run
-        # on tensor cores either way.
-        scores = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee")  # [BLOCK_M, TILE_N]
-        scores = scores * scale_log2
-        visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees position kv_start in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(  # [TILE_N, BLOCK_D]
-            v_cache_ptr + offset[:, None] + dims[None, :],
-            mask=pos_valid[:, None] & dim_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
+# Batch-shaped ints stay unspecialised: one compiled variant serves every batch.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_s"])
 def paged_attention_kernel(
     out_ptr: tl.tensor,  # [T, Hq, D]
     query_ptr: tl.tensor,  # [T, Hq, D]
     k_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
     v_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
-    query_start_loc_ptr: tl.tensor,  # [S + 1]
+    query_start_loc_ptr: tl.tensor,  # [S + 1] of this launch's sequences
     seq_lens_ptr: tl.tensor,  # [S]
     block_tables_ptr: tl.tensor,  # [S, M]
     scale_log2: tl.tensor,  # softmax scale * log2(e): the kernel works in exp2
     num_seqs: tl.tensor,
-    head_dim: tl.tensor,
     stride_q_t: tl.tensor,
     stride_q_h: tl.tensor,
     stride_o_t: tl.tensor,
@@ -135,9 +82,11 @@ def paged_attention_kernel(
     stride_cache_b: tl.tensor,
     stride_cache_h: tl.tensor,
     stride_bt_s: tl.tensor,
+    IS_DECODE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -145,12 +94,21 @@ def paged_attention_kernel(
 ) -> None:
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = find_seq_idx(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return  # surplus program id (see the module docstring)
+    if IS_DECODE:
+        seq = pid  # one program per decode: no search, no spare programs
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = 1
+        q_block = 0
+    else:
+        seq = find_seq_idx(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        base = tl.load(query_start_loc_ptr)
+        local = pid - ((q_start - base) // BLOCK_Q + seq)
+        num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
+        if local >= num_q_blocks:
+            return  # surplus program id (see the module docstring)
+        q_block = num_q_blocks - 1 - local  # heaviest query block first
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this chunk
 
@@ -159,7 +117,7 @@ def paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
+    dim_mask = dims < HEAD_DIM
     token = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
@@ -169,16 +127,10 @@ def paged_attention_kernel(
     query_pos = context_len + q_idx
     # Keys after this block's last query are invisible to all of its rows: skip those tiles.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = attend_tiles(
+    m_i, l_i, acc = attend_range(
         q.to(DOT_DTYPE),
         query_pos,
-        m_i,
-        l_i,
-        acc,
+        context_len + q_block * BLOCK_Q,
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_s,
@@ -186,10 +138,11 @@ def paged_attention_kernel(
         0,
         kv_end,
         scale_log2,
-        head_dim,
         stride_cache_n,
         stride_cache_b,
         stride_cache_h,
+        BLOCK_M,
+        HEAD_DIM,
         BLOCK_D,
         TILE_N,
         BLOCK_SIZE,
@@ -203,64 +156,112 @@ def paged_attention_kernel(
     )
 
 
-def attention_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> dict[str, int]:
-    """Tile sizes and launch options for a batch, from host-known sizes only (no sync).
+def kv_tile(head_dim: int) -> int:
+    """Tokens per K/V tile: 32 KB of bf16 K+V per pipeline stage for any head_dim <= 128."""
+    return 64 if head_dim <= 128 else 32
 
-    Decode-heavy batches (about one query token per sequence) get the smallest M tile tl.dot
-    allows; prefill-heavy batches get large M tiles so each K/V tile is reused across many
-    query rows (the kernel is compute-bound there). Any choice is correct: the program grid
-    covers every batch for any BLOCK_Q.
-    """
-    tokens_per_seq = num_tokens / max(num_seqs, 1)
-    if tokens_per_seq <= 1.0:
-        block_m, num_warps, num_stages = 16, 4, 3
-    elif tokens_per_seq < 64 or head_dim > 128:
-        block_m, num_warps, num_stages = 64, 4, 2
-    else:
-        block_m, num_warps, num_stages = 128, 8, 2
-    block_m = max(block_m, next_power_of_2(group))
+
+def decode_config(group: int, head_dim: int) -> dict[str, int]:
+    """Decode programs: the smallest M tile, 5 stages (K/V two tiles ahead, ids three)."""
     return {
-        "BLOCK_M": block_m,
-        "BLOCK_Q": block_m // group,
-        "TILE_N": 64 if head_dim <= 128 else 32,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
+        "BLOCK_M": max(16, next_power_of_2(group)),
+        "BLOCK_Q": 1,
+        "TILE_N": kv_tile(head_dim),
+        "num_warps": 4,
+        "num_stages": 5,
     }
 
 
-def check_paged_args(
+def prefill_config(group: int, head_dim: int) -> dict[str, int]:
+    """Chunk programs: 128 rows (compute-bound), K/V two tiles ahead as for decode."""
+    block_m = max(128, next_power_of_2(group))
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "TILE_N": kv_tile(head_dim),
+        "num_warps": 8,
+        "num_stages": 5,
+    }
+
+
+def paged_launch(
+    name: str,
+    out: torch.Tensor,  # [T, Hq, D]
     query: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [S' + 1] of the launched sequences
+    seq_lens: torch.Tensor,  # [S']
+    block_tables: torch.Tensor,  # [S', M]
+    scale: float,
+    num_tokens: int,  # query tokens of the launched sequences
+    is_decode: bool,
+) -> Launch:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cfg = (decode_config if is_decode else prefill_config)(group, head_dim)
+    programs = num_seqs if is_decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
+    return Launch(
+        name=name,
+        kernel=paged_attention_kernel,
+        grid=(programs, num_kv_heads),
+        args=(
+            out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+            float(scale) * LOG2E, num_seqs,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        ),  # fmt: skip
+        constexprs={
+            "IS_DECODE": is_decode,
+            "GROUP": group,
+            "BLOCK_Q": cfg["BLOCK_Q"],
+            "BLOCK_M": cfg["BLOCK_M"],
+            "HEAD_DIM": head_dim,
+            "BLOCK_D": next_power_of_2(head_dim),
+            "TILE_N": cfg["TILE_N"],
+            "BLOCK_SIZE": k_cache.shape[1],
+            "DOT_DTYPE": dot_dtype(k_cache.dtype),
+        },
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def batch_launches(
+    out: torch.Tensor,  # [T, Hq, D]
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [S + 1]
     seq_lens: torch.Tensor,  # [S]
     block_tables: torch.Tensor,  # [S, M]
     scale: float,
-) -> torch.device:
-    """Validation shared by the varlen and split-KV launchers."""
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    check_shape("k_cache", k_cache, (*k_cache.shape[:3], head_dim))
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    if k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            "k_cache and v_cache must share dtype and strides, got "
-            f"{k_cache.dtype}/{v_cache.dtype} and {k_cache.stride()}/{v_cache.stride()}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if head_dim < 16:
-        raise ValueError(f"head_dim must be >= 16 (tl.dot's minimum), got {head_dim}")
-    check_shape("block_tables", block_tables, (seq_lens.shape[0], block_tables.shape[1]))
-    if not scale > 0.0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    return check_device(
-        query=query, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables
-    )
+    num_decodes: int,
+    num_kv_splits: int,
+) -> list[Launch]:
+    """The launches of one flat batch: its decode part, then its chunk part (each if any)."""
+    num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
+    launches = []
+    if num_decodes > 0 and num_kv_splits > 1:
+        launches += split_kv_launches(
+            out[:num_decodes], query[:num_decodes], k_cache, v_cache,
+            seq_lens[:num_decodes], block_tables[:num_decodes], scale, num_kv_splits,
+        )  # fmt: skip
+    elif num_decodes > 0:
+        launches.append(paged_launch(
+            "paged_attention.decode", out, query, k_cache, v_cache,
+            query_start_loc[: num_decodes + 1], seq_lens[:num_decodes],
+            block_tables[:num_decodes], scale, num_decodes, True,
+        ))  # fmt: skip
+    if num_decodes < num_seqs:
+        launches.append(paged_launch(
+            "paged_attention.prefill", out, query, k_cache, v_cache,
+            query_start_loc[num_decodes:], seq_lens[num_decodes:], block_tables[num_decodes:],
+            scale, num_tokens - num_decodes, False,
+        ))  # fmt: skip
+    return launches
 
 
 def paged_attention(
@@ -272,6 +273,8 @@ def paged_attention(
     block_tables: torch.Tensor,  # [S, M] int
     scale: float,
     *,
+    num_decodes: int = 0,
+    num_kv_splits: int = 1,
     out: torch.Tensor | None = None,  # [T, Hq, D], optional preallocated output
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a ragged batch over the paged cache (see reference.paged_attention).
@@ -279,48 +282,30 @@ def paged_attention(
     The cache must already hold this step's keys and values. Query j of a chunk of length
     q_len sees context positions 0 .. seq_len - q_len + j. Tokens past query_start_loc[-1]
     are left unwritten. Index values (block ids, lengths) are trusted, not synced to check.
+
+    num_decodes: the caller's word (from host metadata) that sequences 0 .. num_decodes - 1
+    hold exactly one query token each, tokens 0 .. num_decodes - 1; they run as the decode
+    launch, split num_kv_splits ways across their context when num_kv_splits > 1
+    (choose_num_splits). With the defaults every sequence runs as a chunk: correct for any
+    batch.
     """
     device = check_paged_args(query, k_cache, v_cache, seq_lens, block_tables, scale)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
     check_device(query=query, query_start_loc=query_start_loc)
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens = query.shape[0]
     num_seqs = seq_lens.shape[0]
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if not 0 <= num_decodes <= min(num_seqs, num_tokens):
+        raise ValueError(f"num_decodes must be in [0, {min(num_seqs, num_tokens)}], got {num_decodes}")
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_SPLITS:
+        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_SPLITS}], got {num_kv_splits!r}")
     out = check_out(out, tuple(query.shape), query.dtype, device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    cfg = attention_config(num_tokens, num_seqs, group, head_dim)
-    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
-    paged_attention_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        float(scale) * LOG2E,
-        num_seqs,
-        head_dim,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=cfg["BLOCK_Q"],
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_D=next_power_of_2(head_dim),
-        TILE_N=cfg["TILE_N"],
-        BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype(k_cache.dtype),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    for launch in batch_launches(
+        out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        num_decodes, num_kv_splits,
+    ):  # fmt: skip
+        launch.run()
     return out
+

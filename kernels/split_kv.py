@@ -1,12 +1,13 @@
 """Split-KV (flash-decoding) paged attention for small decode batches, plus its reduce kernel.
 
-A decode batch of S sequences gives the varlen kernel only about S * Hkv programs; with few
-sequences that leaves most SMs idle while one program walks a long context. Here stage 1
-splits each sequence's context into NUM_SPLITS ranges (grid S x Hkv x NUM_SPLITS), each
-writing a normalised partial output and its log-sum-exp to fp32 scratch; stage 2 merges the
-partials with the LSE rule. The split length depends on each sequence's own length, so the
-grid is fixed per launch (CUDA-graph friendly) and short sequences simply leave trailing
-splits empty: stage 1 returns early for them and stage 2 never reads them.
+A decode batch of S sequences gives the decode kernel only S * Hkv programs; with few
+sequences that leaves SMs idle while one program walks a long context. Here stage 1 splits
+each sequence's context into NUM_SPLITS ranges (grid S x Hkv x NUM_SPLITS), each writing a
+normalised partial output and its log-sum-exp to fp32 scratch; stage 2 merges the partials
+with the LSE rule. The split length is each sequence's own cdiv(seq_len, NUM_SPLITS) rounded
+up to whole tiles, so the grid is fixed per launch (CUDA-graph friendly): the longest
+sequence fills every split and shorter ones leave trailing splits empty (their programs
+return at once, and stage 2 never reads them).
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from iterserve.kernels._common import (
     next_power_of_2,
     num_sms,
 )
-from iterserve.kernels.paged_attention import LOG2E, attend_tiles, check_paged_args
+from iterserve.kernels.attention_core import LOG2E, attend_range, check_paged_args
+from iterserve.kernels.launch import Launch
 
-MAX_SPLITS = 32
-# Below this many tokens per split, the merge costs more than the extra parallelism buys.
-MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# The split counts choose_num_splits can return: what aot.py compiles.
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# Shorter splits cost more in the merge and the per-program prologue than they buy.
+MIN_TOKENS_PER_SPLIT = 64
+# Resident decode programs per SM the split count aims at (decode runs >= 3 CTAs per SM).
+TARGET_PROGRAMS_PER_SM = 3
 DECODE_TILE_N = 64
+DECODE_NUM_STAGES = 5
 
 
 @triton.jit
@@ -43,9 +50,9 @@ def split_range(
     return start, end, per_split
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt_s"])
 def split_kv_decode_kernel(
-    partial_out_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS, D] fp32
+    partial_out_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS, BLOCK_D] fp32
     partial_lse_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS] fp32, log2 domain
     query_ptr: tl.tensor,  # [S, Hq, D]
     k_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
@@ -53,7 +60,6 @@ def split_kv_decode_kernel(
     seq_lens_ptr: tl.tensor,  # [S]
     block_tables_ptr: tl.tensor,  # [S, M]
     scale_log2: tl.tensor,
-    head_dim: tl.tensor,
     stride_q_s: tl.tensor,
     stride_q_h: tl.tensor,
     stride_cache_n: tl.tensor,
@@ -62,6 +68,7 @@ def split_kv_decode_kernel(
     stride_bt_s: tl.tensor,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -81,7 +88,7 @@ def split_kv_decode_kernel(
     head = kv_head * GROUP + rows
     row_valid = rows < GROUP
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
+    dim_mask = dims < HEAD_DIM
     q = tl.load(
         query_ptr + seq * stride_q_s + head[:, None] * stride_q_h + dims[None, :],
         mask=row_valid[:, None] & dim_mask[None, :],
@@ -89,16 +96,10 @@ def split_kv_decode_kernel(
     ).to(tl.float32)
     # A decode query is the last token: it sees every cached position.
     query_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = attend_tiles(
+    m_i, l_i, acc = attend_range(
         q.to(DOT_DTYPE),
         query_pos,
-        m_i,
-        l_i,
-        acc,
+        seq_len - 1,
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq * stride_bt_s,
@@ -106,10 +107,11 @@ def split_kv_decode_kernel(
         start,
         end,
         scale_log2,
-        head_dim,
         stride_cache_n,
         stride_cache_b,
         stride_cache_h,
+        BLOCK_M,
+        HEAD_DIM,
         BLOCK_D,
         TILE_N,
         BLOCK_SIZE,
@@ -128,56 +130,59 @@ def split_kv_decode_kernel(
 @triton.jit
 def split_kv_reduce_kernel(
     out_ptr: tl.tensor,  # [S, Hq, D]
-    partial_out_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS, D] fp32
+    partial_out_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS, BLOCK_D] fp32
     partial_lse_ptr: tl.tensor,  # [S, Hq, NUM_SPLITS] fp32
     seq_lens_ptr: tl.tensor,  # [S]
-    head_dim: tl.tensor,
     stride_o_s: tl.tensor,
     stride_o_h: tl.tensor,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
 ) -> None:
+    """Merge the splits stage 1 wrote, one at a time with a running max (any NUM_SPLITS)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     _, _, per_split = split_range(seq_len, 0, NUM_SPLITS, TILE_N)
-    splits = tl.arange(0, SPLITS_PAD)
     # Exactly the splits stage 1 wrote: start = split * per_split < seq_len.
-    active = (splits < NUM_SPLITS) & (splits * per_split < seq_len)
+    num_active = tl.minimum(tl.cdiv(seq_len, per_split), NUM_SPLITS)
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
-    lse = tl.load(partial_lse_ptr + row, mask=active, other=float("-inf")).to(tl.float32)
-    partial = tl.load(
-        partial_out_ptr + row[:, None] * BLOCK_D + dims[None, :],
-        mask=active[:, None] & dim_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    # Inactive splits are never loaded, so their weight is exactly 0; an empty sequence (an
-    # invalid input) leaves max_lse = -inf, hence the guards: it yields zeros, not NaN.
-    max_lse = tl.max(lse, axis=0)
-    max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
-    weight = tl.exp2(lse - max_lse)  # [SPLITS_PAD]
-    total = tl.sum(weight, axis=0)
+    dim_mask = dims < HEAD_DIM
+    first_row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    max_lse = float("-inf")
+    total = 0.0
+    merged = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_active):
+        lse = tl.load(partial_lse_ptr + first_row + split)
+        partial = tl.load(partial_out_ptr + (first_row + split) * BLOCK_D + dims, mask=dim_mask, other=0.0)
+        new_max = tl.maximum(max_lse, lse)
+        rescale = tl.exp2(max_lse - new_max)
+        weight = tl.exp2(lse - new_max)
+        merged = merged * rescale + partial * weight
+        total = total * rescale + weight
+        max_lse = new_max
+    # An empty sequence (an invalid input) writes no split: zeros, not NaN.
     total = tl.where(total > 0.0, total, 1.0)
-    merged = tl.sum(partial * weight[:, None], axis=0) / total
-    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + dims, merged, mask=dim_mask)
+    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + dims, merged / total, mask=dim_mask)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """How many KV splits fill the GPU for a decode batch; 1 means don't split.
+    """How many KV splits keep every SM busy for a decode batch; 1 means don't split.
 
-    Aims at about two programs per SM, but never splits below MIN_TOKENS_PER_SPLIT tokens and
-    never past MAX_SPLITS (the reduce kernel loads all splits of a head at once).
+    Splits while the programs, S x Hkv, are fewer than TARGET_PROGRAMS_PER_SM per SM, into
+    about enough splits to reach that (rounded down to a power of two), never shorter than
+    MIN_TOKENS_PER_SPLIT tokens (judged on the longest sequence), never more than MAX_SPLITS.
     """
     programs = num_seqs * num_kv_heads
-    if programs == 0 or programs >= num_sms:
+    target = TARGET_PROGRAMS_PER_SM * num_sms
+    if programs == 0 or programs >= target:
         return 1
-    wanted = cdiv(2 * num_sms, programs)
-    by_length = cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    wanted = cdiv(target, programs)
+    by_length = max(max_seq_len, 1) // MIN_TOKENS_PER_SPLIT
+    splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    # Powers of two only: NUM_SPLITS is a constexpr, so each value is a compiled variant.
+    return 1 << (splits.bit_length() - 1)
 
 
 def use_split_kv(
@@ -187,11 +192,7 @@ def use_split_kv(
     max_query_len: int,
     num_sms: int = 132,
 ) -> bool:
-    """Whether the engine should run a batch through paged_decode_attention_split_kv.
-
-    Only pure-decode batches (every sequence has one query token) qualify, and only when the
-    varlen kernel's grid would leave SMs idle on long contexts.
-    """
+    """Whether a pure-decode batch of this shape runs split-KV (choose_num_splits > 1)."""
     if max_query_len != 1:
         return False
     return choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms) > 1
@@ -205,6 +206,57 @@ def alloc_scratch(
     partial_out = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=device)
     partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
     return partial_out, partial_lse
+
+
+def split_kv_launches(
+    out: torch.Tensor,  # [S, Hq, D]
+    query: torch.Tensor,  # [S, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [S]
+    block_tables: torch.Tensor,  # [S, M]
+    scale: float,
+    num_splits: int,
+) -> list[Launch]:
+    """Stage 1 and the reduce, as launches (the launcher runs them, aot.py compiles them)."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    tile_n = DECODE_TILE_N if head_dim <= 128 else DECODE_TILE_N // 2
+    partial_out, partial_lse = alloc_scratch(num_seqs, num_heads, num_splits, block_d, query.device)
+    stage1 = Launch(
+        name="split_kv_decode",
+        kernel=split_kv_decode_kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        args=(
+            partial_out, partial_lse, query, k_cache, v_cache, seq_lens, block_tables,
+            float(scale) * LOG2E, query.stride(0), query.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        ),  # fmt: skip
+        constexprs={
+            "GROUP": group,
+            "BLOCK_M": max(16, next_power_of_2(group)),
+            "HEAD_DIM": head_dim,
+            "BLOCK_D": block_d,
+            "TILE_N": tile_n,
+            "BLOCK_SIZE": k_cache.shape[1],
+            "NUM_SPLITS": num_splits,
+            "DOT_DTYPE": dot_dtype(k_cache.dtype),
+        },
+        num_warps=4,
+        num_stages=DECODE_NUM_STAGES,
+    )
+    reduce = Launch(
+        name="split_kv_reduce",
+        kernel=split_kv_reduce_kernel,
+        grid=(num_seqs, num_heads),
+        args=(out, partial_out, partial_lse, seq_lens, out.stride(0), out.stride(1)),
+        constexprs={"NUM_SPLITS": num_splits, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "TILE_N": tile_n},
+        num_warps=4,
+        num_stages=2,
+    )
+    return [stage1, reduce]
 
 
 def paged_decode_attention_split_kv(
@@ -227,7 +279,7 @@ def paged_decode_attention_split_kv(
     device = check_paged_args(query, k_cache, v_cache, seq_lens, block_tables, scale)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("query", query, (seq_lens.shape[0], num_heads, head_dim))
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_splits is None:
         capacity = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, num_sms(device))
@@ -236,48 +288,6 @@ def paged_decode_attention_split_kv(
     out = check_out(out, tuple(query.shape), query.dtype, device)
     if num_seqs == 0:
         return out
-
-    group = num_heads // num_kv_heads
-    block_d = next_power_of_2(head_dim)
-    partial_out, partial_lse = alloc_scratch(num_seqs, num_heads, num_splits, block_d, device)
-    split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        partial_out,
-        partial_lse,
-        query,
-        k_cache,
-        v_cache,
-        seq_lens,
-        block_tables,
-        float(scale) * LOG2E,
-        head_dim,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_M=max(16, next_power_of_2(group)),
-        BLOCK_D=block_d,
-        TILE_N=DECODE_TILE_N,
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype(k_cache.dtype),
-        num_warps=4,
-        num_stages=3,
-    )
-    split_kv_reduce_kernel[(num_seqs, num_heads)](
-        out,
-        partial_out,
-        partial_lse,
-        seq_lens,
-        head_dim,
-        out.stride(0),
-        out.stride(1),
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_power_of_2(num_splits),
-        BLOCK_D=block_d,
-        TILE_N=DECODE_TILE_N,
-        num_warps=4,
-    )
+    for launch in split_kv_launches(out, query, k_cache, v_cache, seq_lens, block_tables, scale, num_splits):
+        launch.run()
     return out

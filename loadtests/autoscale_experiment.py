@@ -270,11 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = StepLoad(seed=args.seed)
     if args.quick:
         load = StepLoad(seed=args.seed, low1_s=10, high_s=30, low2_s=40)
-    env = autoscaling_env_vars(SCALING)
-    env["ITERSERVE_SIM_COST_MODEL"] = json.dumps({"time_scale": args.time_scale})
-    start_ray(env)
+    start_ray(autoscaling_env_vars(SCALING))
+    engine = {**ENGINE_KWARGS, "simulator": json.dumps({"time_scale": args.time_scale})}
     try:
-        result = asyncio.run(run(load, SCALING, dict(ENGINE_KWARGS), args.time_scale))
+        result = asyncio.run(run(load, SCALING, engine, args.time_scale))
     finally:
         import ray
         from ray import serve

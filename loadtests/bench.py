@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the = form: --serve-args='--max-num-seqs 128'")
     parser.add_argument("--serve-env", action="append", default=[], type=_key_value,
                         metavar="KEY=VALUE", help="environment for the started servers "
-                        "(repeatable), e.g. ITERSERVE_SIM_COST_MODEL='{\"time_scale\": 12}'")
+                        "(repeatable); the simulated GPU is an engine flag: "
+                        "--serve-args='--simulate --simulator {\"time_scale\":12}'")
     parser.add_argument("--wait-for-load", type=float, default=None, metavar="LOAD",
                         help="before each mode, wait until the 1-minute load average is at "
                              "most LOAD (a shared machine), for up to --wait-timeout-s")

@@ -311,7 +311,7 @@ def pooled(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
 async def main_async(args: argparse.Namespace) -> int:
     wl = WorkloadConfig(seed=args.seed, duration_s=args.duration)
     specs = make_workload(wl)
-    engine_kwargs = dict(ENGINE_KWARGS)
+    engine_kwargs = {**ENGINE_KWARGS, "simulator": json.dumps({"time_scale": args.time_scale})}
     arms = [ARMS[int(i)] for i in args.arms.split(",")]
     # Alternate the order (A B C, C B A, ...) so that slow drifts in background load on a
     # shared machine hit every arm alike.
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.duration = 20.0
-    start_ray({"ITERSERVE_SIM_COST_MODEL": json.dumps({"time_scale": args.time_scale})})
+    start_ray()
     try:
         return asyncio.run(main_async(args))
     finally:

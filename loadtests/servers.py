@@ -25,34 +25,35 @@ STOP_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for servers the tests and load scripts start)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        return int(probe.getsockname()[1])
 
 
-def _server_info(url: str, api_key: str | None) -> dict[str, Any] | None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{url}/v1/models", headers=headers, timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200 or not response.json().get("data"):
-        return None
-    return response.json()["data"][0]
-
-
-def wait_until_ready(url: str, process: subprocess.Popen[bytes] | None, log_path: Path | None,
-                     api_key: str | None, timeout_s: float = STARTUP_TIMEOUT_S) -> dict[str, Any]:
+def wait_until_ready(url: str, process: subprocess.Popen[bytes] | None = None,
+                     log_path: Path | None = None, api_key: str | None = None,
+                     timeout_s: float = STARTUP_TIMEOUT_S,
+                     headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Poll GET /v1/models until it lists a model (the engine replicas are up); returns the
+    model card. A server `process` that exits first raises, with the tail of its log."""
+    if headers is None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
+    last = "no answer"
     while time.monotonic() < deadline:
-        info = _server_info(url, api_key)
-        if info is not None:
-            return info
+        try:
+            response = httpx.get(f"{url}/v1/models", headers=headers, timeout=5.0)
+            if response.status_code == 200 and response.json().get("data"):
+                return response.json()["data"][0]
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as error:
+            last = type(error).__name__
         if process is not None and process.poll() is not None:
             tail = log_path.read_text()[-3000:] if log_path else ""
             raise RuntimeError(f"iterserve serve exited with {process.returncode}:\n{tail}")
-        time.sleep(1.0)
-    raise TimeoutError(f"{url} was not ready within {timeout_s:.0f} s")
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} was not ready within {timeout_s:.0f} s ({last})")
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:

@@ -192,6 +192,7 @@ def replica_app(engine_kwargs: dict[str, Any], num_replicas: int | None = None,
                 ) -> Any:  # noqa: ANN401
     """deploy's LLMReplica, bound with the given router / autoscaling options."""
     from iterserve.deploy.replica import LLMReplica
+    from iterserve.replica.config import EngineConfig
 
     options: dict[str, Any] = {
         "max_ongoing_requests": max_ongoing_requests,
@@ -205,7 +206,8 @@ def replica_app(engine_kwargs: dict[str, Any], num_replicas: int | None = None,
         options["num_replicas"] = num_replicas or 1
     if router is not None:
         options["request_router_config"] = router
-    return LLMReplica.options(**options).bind(None, engine_kwargs, drain_timeout_s)
+    return LLMReplica.options(**options).bind(EngineConfig.from_kwargs(**engine_kwargs),
+                                              drain_timeout_s)
 
 
 # ------------------------------------------------------------------------------ metrics

@@ -22,7 +22,6 @@ import contextlib
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,11 @@ from typing import Any
 
 import httpx
 
+from iterserve.loadtests.servers import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
 WINDOW_S = 30.0  # RSS medians are taken over windows this long
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -91,7 +91,7 @@ class AsyncLLMEngine:
 
         def add(engine: LLMEngine) -> None:
             bound = engine.config.scheduler.max_waiting_requests
-            waiting = engine.scheduler.num_waiting
+            waiting = engine.num_waiting_requests  # the count stats() reports
             if bound is not None and waiting >= bound:
                 raise QueueFullError(waiting)
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -21,11 +22,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset; -1 for padding
     max_query_len: int
     max_seq_len: int
-    is_decode_only: bool  # every query length is 1: the split-KV decode kernel applies
-    # Run decode attention split across the context (flash-decoding): set by the runner for
-    # decode-only batches too small to fill the GPU.
-    use_split_kv: bool = False
+    is_decode_only: bool  # every query length is 1
+    # Launch hints for the Triton attention, known on the host (no device sync): the first
+    # num_decodes sequences have one query token each (the decode launch), and that part runs
+    # split num_kv_splits ways across the context (flash-decoding) when > 1.
+    num_decodes: int = 0
+    num_kv_splits: int = 1
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+def count_leading_decodes(query_start_loc: np.ndarray) -> int:  # [S + 1] host array
+    """How many sequences at the front of the batch have exactly one query token."""
+    not_one = np.flatnonzero(np.diff(query_start_loc) != 1)
+    return int(not_one[0]) if not_one.size else int(query_start_loc.shape[0] - 1)

@@ -17,7 +17,7 @@ from iterserve.replica.request import Request
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -64,6 +64,9 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self.block_tables.get(request_id, ()))
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -97,22 +100,45 @@ class BlockManager:
         end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
-        tokens = request.all_token_ids
+        block_size = self.block_size
+        tokens = self._token_range(request, start * block_size, end * block_size)
+        cached, blocks = self.cached_blocks, self.blocks
+        offset = 0
         for i in range(start, end):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
-            block = self.blocks[table[i]]
+            key = (parent, tuple(tokens[offset : offset + block_size]))
+            offset += block_size
+            block = blocks[table[i]]
             # An identical block may already be cached (two requests computed the same prefix
             # at once); the first one stays the cache entry and this one stays private.
-            if block.key is None and key not in self.cached_blocks:
+            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
                 block.key = key
-                self.cached_blocks[key] = block.block_id
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 
-    def mark_computed(self, request: Request) -> None:
-        """Called after a step computed tokens for the request: cache its full blocks."""
+    @staticmethod
+    def _token_range(request: Request, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi) of the request, without building all_token_ids (a copy of the
+        whole prompt per call: the cost of every decode that fills a block)."""
+        prompt = request.prompt_token_ids
+        num_prompt = len(prompt)
+        if hi <= num_prompt:
+            return prompt[lo:hi]
+        outputs = request.output_token_ids
+        if lo >= num_prompt:
+            return outputs[lo - num_prompt : hi - num_prompt]
+        return prompt[lo:] + outputs[: hi - num_prompt]
+
+    def mark_computed(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Called after a step computed tokens for the request: cache its full blocks.
+
+        num_computed_tokens: how many leading tokens the finished step left in the KV cache
+        (default: request.num_computed_tokens); under async scheduling the request may
+        already be scheduled further than that.
+        """
         if self.enable_prefix_caching and request.request_id in self.block_tables:
-            self._register_full_blocks(request, request.num_computed_tokens)
+            if num_computed_tokens is None:
+                num_computed_tokens = request.num_computed_tokens
+            self._register_full_blocks(request, num_computed_tokens)
 
     # ------------------------------------------------------------------------- allocation
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
@@ -126,9 +152,30 @@ class BlockManager:
             table = self.block_tables.get(request.request_id, ())
             total = request.num_computed_tokens + num_new_tokens
             return -(-total // self.block_size) - len(table) <= len(self.free_block_ids)
+        return self.num_blocks_to_admit(request, num_new_tokens, hits) <= self.num_free_blocks
+
+    def num_blocks_to_admit(self, request: Request, num_new_tokens: int, hits: list[int]) -> int:
+        """Free blocks that admitting the request would take: new blocks for num_new_tokens
+        after its prefix hits, plus the hit blocks that sit in the free pool."""
         hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.num_new_blocks_needed(request, num_new_tokens, len(hits))
-        return needed + hits_in_free_pool <= self.num_free_blocks
+        return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
+
+    def try_allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Grow a running request's blocks for num_new_tokens more tokens if enough are free:
+        its block table, or None (nothing taken). The scheduler's per-step fast path: most
+        decodes need no new block at all."""
+        table = self.block_tables.get(request.request_id)
+        have = len(table) if table is not None else 0
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
+        if needed <= 0 and table is not None:
+            return table
+        if needed > len(self.free_block_ids):
+            return None
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        for _ in range(needed):
+            table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
+        return table
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Give the request its prefix hits (first admission) and blocks for new tokens.

@@ -9,6 +9,8 @@ max_num_seqs (max_batch_size), max_num_batched_tokens (max_num_tokens), enable_c
 from __future__ import annotations
 
 import dataclasses
+import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +21,24 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
 LOAD_FORMATS = ("auto", "dummy")
 
-# TensorRT-LLM spellings accepted as aliases of the vLLM names.
-KWARG_ALIASES = {
-    "max_batch_size": "max_num_seqs",
-    "max_num_tokens": "max_num_batched_tokens",
-    "enable_chunked_context": "enable_chunked_prefill",
-    "kv_cache_free_gpu_memory_fraction": "gpu_memory_utilization",
-    "tokens_per_block": "block_size",
-}
+
+
+def setting(default: Any, help: str, aliases: tuple[str, ...] = (),
+            choices: tuple[str, ...] | None = None) -> Any:  # noqa: ANN401 - a dataclass field
+    """A field that is a user-facing setting: its one declaration. The CLI flag (`--name`),
+    its aliases (TensorRT-LLM spellings, as kwargs and flags) and its help come from here."""
+    return field(default=default, metadata={"help": help, "aliases": aliases,
+                                            "choices": choices})
+
+
+def offline_cpu_threads() -> int:
+    """LLM()'s default: the whole machine is the offline job's."""
+    return os.cpu_count() or 1
+
+
+def replica_cpu_threads() -> int:
+    """A Serve replica's default: every core but one, left to the HTTP proxy and ingress."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -38,14 +50,18 @@ def _require(condition: bool, message: str) -> None:
 class CacheConfig:
     """The paged KV cache: block geometry and how many blocks to allocate."""
 
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_bytes: int = 512 * 1024**2  # the KV budget when running on CPU
-    enable_prefix_caching: bool = True
-    # GiB of host memory for swapped-out blocks. Only 0 is accepted: preemption recomputes
-    # (vLLM v1's choice too); the flag exists so vLLM command lines fail loudly, not silently.
-    swap_space: float = 0.0
+    block_size: int = setting(16, "tokens per KV block", ("tokens_per_block",))
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory for weights, activations and the KV cache (profiled)",
+        ("kv_cache_free_gpu_memory_fraction",))
+    num_gpu_blocks_override: int | None = setting(
+        None, "number of KV blocks (skips profiling)")
+    cpu_kv_cache_bytes: int = setting(512 * 1024**2, "KV cache budget in bytes on CPU")
+    enable_prefix_caching: bool = setting(True, "share full prompt blocks between requests")
+    # Only 0 is accepted: preemption recomputes (vLLM v1's choice too); the setting exists so
+    # that vLLM command lines fail loudly, not silently.
+    swap_space: float = setting(0.0, "GiB of host swap for KV blocks (only 0: preemption "
+                                "recomputes)")
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -64,21 +80,26 @@ class CacheConfig:
 class SchedulerConfig:
     """How each iteration's token budget is spent."""
 
-    max_num_seqs: int = 256
-    # None: 2048 with chunked prefill, else max(max_model_len, 2048) so any prompt fits a step.
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduler_policy: str = "fcfs"
-    batching: str = "continuous"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = setting(256, "most requests in one iteration", ("max_batch_size",))
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one iteration (default: 2048 with chunked prefill, else "
+        "max(max_model_len, 2048) so that any prompt fits a step)", ("max_num_tokens",))
+    enable_chunked_prefill: bool = setting(True, "split long prompts across iterations",
+                                           ("enable_chunked_context",))
+    scheduler_policy: str = setting("fcfs", "who is admitted and who is preempted first",
+                                    choices=SCHEDULER_POLICIES)
+    batching: str = setting("continuous", "continuous (iteration-level) or static batching",
+                            choices=BATCHING_MODES)
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
     # Admission window: admit waiting requests every step (0, 0), or only once
     # `admission_min_free_slots` batch slots are free or `admission_max_wait_ms` has passed.
-    admission_min_free_slots: int = 0
-    admission_max_wait_ms: float = 0.0
-    max_waiting_requests: int | None = None  # bound of the waiting queue; None is unbounded
+    admission_min_free_slots: int = setting(0, "admit only once this many batch slots are free")
+    admission_max_wait_ms: float = setting(0.0, "... or once a request waited this long")
+    max_waiting_requests: int | None = setting(
+        None, "bound of the waiting queue; beyond it requests get 429 (default: unbounded)")
     # Static batching keeps finished rows as padding until the batch's longest request ends,
     # as HF generate and FasterTransformer do; False lets them leave at once.
-    static_batch_padding: bool = True
+    static_batch_padding: bool = setting(True, "static batching keeps finished rows as padding")
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -118,19 +139,33 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything one engine (one GPU) needs. Build it with `EngineConfig.from_kwargs`."""
 
-    model: str | None = None  # an HF checkpoint folder; None means the built-in default model
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    seed: int = 0
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    enforce_eager: bool = False  # True disables CUDA graphs
-    runner: str = "model"  # "simulated" runs the calibrated cost model instead of a GPU
-    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
-    served_model_name: str | None = None
-    max_logprobs: int = 20
-    # torch intra-op threads on CPU. One by default: a tiny model's ops are too small to split,
-    # and spinning worker threads collapse throughput when other processes share the cores.
-    cpu_threads: int | None = 1
+    model: str | None = None  # see replica/model_source.py; None means the built-in model
+    dtype: str = setting("auto", "weights and activations (auto: bf16 on CUDA, fp32 on CPU)",
+                         choices=DTYPES)
+    device: str = setting("auto", "auto, cuda or cpu")
+    seed: int = setting(0, "engine random seed")
+    attention_backend: str = setting("auto", "attention and fused kernels (auto: triton on "
+                                     "CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(False, "disable CUDA graphs for decode batches")
+    # replica/llm_engine.py; None is resolved (replica/resolve.py) to on exactly when the model
+    # runs on CUDA, where the GPU computes step N while the CPU plans step N+1.
+    async_scheduling: bool | None = setting(
+        None, "plan and prepare step N+1 while the GPU runs step N (default: on with CUDA)")
+    runner: str = setting("model", "model, or simulated: the calibrated GPU cost model",
+                          choices=RUNNERS)
+    simulator: str | None = setting(
+        None, "the simulated runner's GPU: h100, h200, a JSON file or inline JSON of "
+        "SimulatorConfig / CostModel fields (replica/sim_runner.py)", ("sim_cost_model",))
+    load_format: str = setting("auto", "dummy: random weights from the config (benchmarks)",
+                               choices=LOAD_FORMATS)
+    served_model_name: str | None = setting(
+        None, "model name in the API (default: the model folder or file name)")
+    max_logprobs: int = setting(20, "most logprobs a request may ask for")
+    # One for an engine embedded in another process; the entry points pass their own: LLM()
+    # every core (`offline_cpu_threads`), a Serve replica all but one (`replica_cpu_threads`),
+    # leaving a core to the ingress and proxy.
+    cpu_threads: int | None = setting(1, "torch intra-op threads on CPU (process-wide; "
+                                      "iterserve serve: every core but one)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -175,8 +210,48 @@ class EngineConfig:
             **groups["engine"],
         )
 
+    @property
+    def is_resolved(self) -> bool:
+        """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
+        return (self.model is not None and self.served_model_name is not None
+                and "auto" not in (self.dtype, self.device, self.attention_backend)
+                and self.async_scheduling is not None
+                and self.scheduler.max_model_len is not None
+                and self.scheduler.max_num_batched_tokens is not None)
+
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))
 
     def with_cache(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """One user-facing engine setting, read from its field's declaration."""
+
+    name: str
+    type: Any  # int, float, str or bool (Optional stripped)
+    default: Any
+    help: str
+    aliases: tuple[str, ...]
+    choices: tuple[str, ...] | None
+
+
+def engine_settings() -> tuple[SettingSpec, ...]:
+    """Every field declared with `setting(...)`, engine fields first, then cache, scheduler."""
+    specs = []
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "help" not in f.metadata:
+                continue
+            options = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+            specs.append(SettingSpec(f.name, options[0] if options else hints[f.name], f.default,
+                                     f.metadata["help"], f.metadata["aliases"],
+                                     f.metadata["choices"]))
+    return tuple(specs)
+
+
+# TensorRT-LLM spellings accepted as aliases of the vLLM names (declared on the fields).
+KWARG_ALIASES = {alias: spec.name for spec in engine_settings() for alias in spec.aliases}

@@ -7,7 +7,8 @@ query_start_loc[i+1]) of the flat batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +28,10 @@ class PreparedInputs:
     logits_indices: np.ndarray  # [len(sample_rows)] int64, flat index of each one's last token
     max_query_len: int
     max_seq_len: int
+    # Async scheduling: decode inputs whose token the previous step is still sampling. The
+    # runner fills input_ids[token_index] with that request's sampled token before running.
+    pending_token_indices: list[int] = field(default_factory=list)  # flat indices into [T]
+    pending_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -40,48 +45,75 @@ class PreparedInputs:
 def prepare_inputs(output: SchedulerOutput, block_size: int) -> PreparedInputs:
     scheduled = output.scheduled
     num_seqs = len(scheduled)
-    # Plain lists while looping (numpy item access costs more than it saves at these sizes).
+    # One pass over the requests with plain lists (numpy item access costs more than it
+    # saves at these sizes); per-token arithmetic is vectorised afterwards.
     input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
+    starts: list[int] = []  # [S] num_computed_tokens of each request
+    query_lens: list[int] = []  # [S]
+    tables: list[list[int]] = []
+    padding_rows: list[int] = []
     sample_rows: list[int] = []
-    max_blocks = max((len(s.block_table) for s in scheduled), default=1)
-    padded_tables = []
+    pending_indices: list[int] = []
+    pending_ids: list[str] = []
     for i, s in enumerate(scheduled):
-        start, n, table, request = s.num_computed_tokens, s.num_new_tokens, s.block_table, s.request
-        end = start + n
-        padded_tables.append(table + [0] * (max_blocks - len(table)))
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + n)
+        start, n, request = s.num_computed_tokens, s.num_new_tokens, s.request
+        starts.append(start)
+        query_lens.append(n)
+        tables.append(s.block_table)
         if n == 1:  # the common decode case
-            input_ids.append(request.token_id_at(start))
-            positions.append(start)
-            if s.is_padding:
-                slot_mapping.append(-1)
-            else:
-                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            offset = start - len(request.prompt_token_ids)
+            outputs = request.output_token_ids
+            if offset < 0:
+                input_ids.append(request.prompt_token_ids[start])
+            elif offset < len(outputs):
+                input_ids.append(outputs[offset])
+            else:  # still being sampled by the step in flight
+                pending_indices.append(len(input_ids))
+                pending_ids.append(request.request_id)
+                input_ids.append(0)
         else:
-            input_ids.extend(_token_slice(request, start, end))
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
-                                for p in range(start, end))
-        if end >= request.num_tokens and not s.is_padding:
+            input_ids.extend(_token_slice(request, start, start + n))
+        if s.is_padding:
+            padding_rows.append(i)
+        elif s.samples:
             sample_rows.append(i)
-    query_start = np.array(query_start_loc, dtype=np.int32)
+    lens = np.array(query_lens, dtype=np.int64)  # [S]
+    query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(lens, out=query_start[1:])
+    seq_lens = np.array(starts, dtype=np.int64) + lens  # [S]
+    token_rows = np.repeat(np.arange(num_seqs), lens)  # [T] the request row of each token
+    # position of flat token t = its request's start + (t - the request's first flat index)
+    positions = (np.arange(len(input_ids), dtype=np.int64)
+                 + (seq_lens - lens - query_start[:-1])[token_rows])
+    block_tables = _padded_block_tables(tables)
+    slot_mapping = (block_tables[token_rows, positions // block_size].astype(np.int64)
+                    * block_size + positions % block_size)
+    if padding_rows:  # padding rows write no key or value
+        slot_mapping[np.isin(token_rows, padding_rows)] = -1
     return PreparedInputs(
         input_ids=np.array(input_ids, dtype=np.int64),
-        positions=np.array(positions, dtype=np.int64),
-        slot_mapping=np.array(slot_mapping, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
         query_start_loc=query_start,
-        seq_lens=np.array(seq_lens, dtype=np.int32),
-        block_tables=np.array(padded_tables, dtype=np.int32).reshape(num_seqs, max_blocks),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=block_tables,
         sample_rows=sample_rows,
         logits_indices=query_start[1:][sample_rows].astype(np.int64) - 1,
-        max_query_len=max((s.num_new_tokens for s in scheduled), default=0),
-        max_seq_len=max(seq_lens, default=0),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=int(seq_lens.max(initial=0)),
+        pending_token_indices=pending_indices,
+        pending_request_ids=pending_ids,
     )
+
+
+def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[S, M] int32: each block table, zero padded to the longest."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = max(int(lengths.max(initial=0)), 1)
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    padded[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+    return padded
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

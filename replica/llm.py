@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.replica.config import EngineConfig
+from iterserve.replica.config import EngineConfig, offline_cpu_threads
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.outputs import RequestOutput, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        engine_kwargs.setdefault("cpu_threads", offline_cpu_threads())
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 

@@ -4,6 +4,21 @@
     step() -> outputs     schedule -> runner.execute -> scheduler.update -> detokenize
     abort_request(id)     finish now and free every block of every child
 
+Async scheduling (`async_scheduling`, on by default with CUDA) overlaps the CPU with the
+device, as vLLM v1's step_with_batch_queue and SGLang's overlap scheduler do. One step():
+
+    schedule N+1 -> runner.launch(N+1)        the device still runs N; N+1 queues behind it
+    N.result()   -> update -> detokenize      while the device runs N+1
+
+The plan for N+1 assumes every request in N yields one token (a placeholder the runner fills
+in from N's sampled ids on the device). Stop and finish decisions about N's tokens are
+therefore taken one step late: a request that finished in N was also computed in N+1, and
+that extra token is discarded in update (it never reaches the caller) and its blocks freed
+at once. A request whose sampling reads its previous tokens (penalties, min_tokens, grammar)
+is not planned past a token in flight: it waits one step, so its sampling stays exact. A
+runner error in one request reaches the engine with the step's result, a step late, and
+ends that request alone.
+
 Callers that need concurrency use AsyncLLMEngine, which drives this class from one thread.
 """
 
@@ -22,10 +37,10 @@ from iterserve.replica.config import EngineConfig
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.loader import read_generation_config, read_model_config
-from iterserve.replica.model_source import model_display_name, resolve_model_path
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
-from iterserve.replica.runner_base import Runner
+from iterserve.replica.resolve import resolve_engine_config
+from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -42,18 +57,9 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        model_path = resolve_model_path(config.model)
+        config = resolve_engine_config(config)  # unchanged when the deployment resolved it
+        model_path = Path(config.model)
         model_config = read_model_config(model_path)
-        # Sliding-window attention is not implemented, so the window bounds the context.
-        model_max_len = min(model_config.max_position_embeddings,
-                            model_config.sliding_window or model_config.max_position_embeddings)
-        config = dataclasses.replace(
-            config,
-            model=str(model_path),
-            served_model_name=config.served_model_name or model_display_name(model_path),
-            scheduler=config.scheduler.resolved(model_max_len),
-        )
-        model_config.verify_max_model_len(config.scheduler.max_model_len)
         self.config = config
         self.clock = clock
         self.model_name = config.served_model_name
@@ -66,7 +72,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, clock)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
+                                   plans_ahead=bool(config.async_scheduling))
+        self._in_flight: InFlightStep | None = None  # async scheduling: the launched step
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled
@@ -162,11 +170,18 @@ class LLMEngine:
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+        return (self.scheduler.has_unfinished_requests() or bool(self.pending_children)
+                or self._in_flight is not None)
 
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.children)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: queued (preempted ones included) or held back as later
+        children of an n > 1 request. The count `stats()` reports and admission bounds."""
+        return self.scheduler.num_waiting + sum(map(len, self.pending_children.values()))
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -176,12 +191,55 @@ class LLMEngine:
         row, its detokenization) ends that request alone with finish_reason "error"; its batch
         mates' tokens stand. Only a device fault (`is_device_fault`) escapes, and stops the loop.
         """
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
+        return self._finish_step(start, scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Plan and launch step N+1, then finish step N while the device runs N+1."""
+        start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        launched = None
+        if not scheduler_output.is_empty:
+            try:
+                launched = InFlightStep(start, scheduler_output,
+                                        self.runner.launch(scheduler_output))
+            except Exception as error:  # noqa: BLE001 - a device fault is re-raised
+                if is_device_fault(error):
+                    raise
+                return self._settle_and_isolate(start, scheduler_output, error)
+        outputs = self.finish_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    def _settle_and_isolate(self, start: float, scheduler_output: SchedulerOutput,
+                            error: Exception) -> list[RequestOutput]:
+        """A batched launch raised: finish the step in flight (its tokens become the inputs
+        this step was missing), then run this step request by request, synchronously, so
+        that only the requests at fault end and the next plan starts from settled state."""
+        logger.warning("a batched launch raised %r; running its requests one by one", error)
+        outputs = self.finish_in_flight()
+        runner_output = self._execute_one_by_one(scheduler_output)
+        return outputs + self._finish_step(start, scheduler_output, runner_output)
+
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the launched step, if any (async scheduling), and return its outputs."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return []
+        return self._finish_step(previous.start, previous.scheduler_output,
+                                 previous.handle.result())
+
+    def _finish_step(self, start: float, scheduler_output: SchedulerOutput,
+                     runner_output: RunnerOutput) -> list[RequestOutput]:
+        """Fill in a step's sampled tokens, stream them, and forget what finished. Under
+        async scheduling this runs a step late: a request may have ended meanwhile."""
         self._record_prompt_logprobs(runner_output)
         failed = [s.request for s in scheduler_output.scheduled
-                  if s.request.request_id in runner_output.failed]
+                  if s.request.request_id in runner_output.failed and not s.request.is_finished]
         outputs = [self._fail(r, runner_output.failed[r.request_id]) for r in failed]
         updated = self.scheduler.update(scheduler_output, runner_output)
         outputs += [self._detokenize_or_fail(r, runner_output) for r in updated]
@@ -278,7 +336,7 @@ class LLMEngine:
         so that they find its blocks in the prefix cache instead of recomputing them."""
         for parent_id in list(self.pending_children):
             first = self.children[parent_id][0]
-            head = self.scheduler.requests.get(first)
+            head = self.scheduler.get_request(first)
             if head is None or head.num_output_tokens > 0:
                 for child in self.pending_children.pop(parent_id):
                     self.scheduler.add_request(child)
@@ -287,7 +345,8 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         parent = request.parent_id or request.request_id
         siblings = self.children.get(parent, [])
-        if all(s not in self.scheduler.requests for s in siblings) and parent not in self.pending_children:
+        unfinished = any(self.scheduler.get_request(s) is not None for s in siblings)
+        if not unfinished and parent not in self.pending_children:
             self.children.pop(parent, None)
 
     def _forget(self, request_id: str) -> None:
@@ -307,7 +366,7 @@ class LLMEngine:
         return EngineStats(
             timestamp=time.time(),
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + sum(map(len, self.pending_children.values())),
+            num_waiting=self.num_waiting_requests,
             num_total_blocks=manager.num_total_blocks,
             num_free_blocks=manager.num_free_blocks,
             kv_usage=manager.usage,
@@ -347,6 +406,15 @@ class LLMEngine:
         snapshot = self.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration, finished_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose sampled tokens are not yet on the host."""
+
+    start: float
+    scheduler_output: SchedulerOutput
+    handle: StepHandle
 
 
 def finished_request_stats(request: Request) -> FinishedRequestStats:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from iterserve.replica.attention_metadata import AttentionMetadata
+from iterserve.replica.async_output import PendingOutput
+from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
@@ -20,7 +22,9 @@ from iterserve.replica.loader import load_checkpoint, load_dummy
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
-from iterserve.replica.sampler import Sampler
+from iterserve.replica.request import Request
+from iterserve.replica.runner_base import CompletedStep, StepHandle
+from iterserve.replica.sampler import Sampler, index_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 0)
         self.sampler = Sampler(config.seed, self.device)
+        self._remember_sampled([], None)
         self._num_blocks = self._decide_num_blocks()
         shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                  self.model_config.head_dim)
@@ -75,7 +80,7 @@ class ModelRunner:
                                             max_batch_size=config.scheduler.max_num_seqs,
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
                                                                  // self.block_size),
-                                            split_kv_for=self._split_kv_for)
+                                            kv_splits_for=self._decode_kv_splits)
             self.graphs.capture()
 
     # ------------------------------------------------------------------------------ memory
@@ -141,17 +146,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        if scheduler_output.is_empty:
-            return RunnerOutput()
-        prepared = prepare_inputs(scheduler_output, self.block_size)
-        hidden = self._forward(prepared)  # [T, hidden]
         output = RunnerOutput()
-        self._score_prompt_logprobs(scheduler_output, prepared, hidden, output)
-        if not prepared.sample_rows:
+        sampling = self._logits_to_sample(scheduler_output, output)
+        if sampling is None:
             return output
-        indices = torch.from_numpy(prepared.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
-        requests = [scheduler_output.scheduled[i].request for i in prepared.sample_rows]
+        requests, logits = sampling
         token_ids, logprobs, failed = self.sampler.sample(logits, requests)
         for row, (request, token_id, lp) in enumerate(zip(requests, token_ids, logprobs,
                                                            strict=True)):
@@ -163,6 +162,40 @@ class ModelRunner:
                 output.logprobs[request.request_id] = lp
         return output
 
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Enqueue the step on the device and return at once (async scheduling).
+
+        The sampled ids stay on the device for the next step's pending decode inputs, and are
+        copied to pinned host memory behind an event for result(). On CPU the step simply
+        runs here."""
+        scored = RunnerOutput()  # prompt logprobs, computed while launching
+        sampling = self._logits_to_sample(scheduler_output, scored)
+        if sampling is None:
+            self._remember_sampled([], None)
+            return CompletedStep(scored)
+        requests, logits = sampling
+        token_ids, log_probs, logprob_rows, failed = self.sampler.choose_tokens(logits, requests)
+        self._remember_sampled(requests, token_ids)
+        pending = PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
+        return ScoredStep(pending, scored) if scored.prompt_logprobs else pending
+
+    def _logits_to_sample(
+        self, scheduler_output: SchedulerOutput, scored: RunnerOutput,
+    ) -> tuple[list[Request], torch.Tensor] | None:
+        """Run the forward pass; the requests that sample and their logits [S, V] fp32.
+        Prompt logprobs of the chunks that ask for them go into `scored`."""
+        if scheduler_output.is_empty:
+            return None
+        prepared = prepare_inputs(scheduler_output, self.block_size)
+        hidden = self._forward(prepared)  # [T, hidden]
+        self._score_prompt_logprobs(scheduler_output, prepared, hidden, scored)
+        if not prepared.sample_rows:
+            return None
+        indices = self._to_device(prepared.logits_indices)
+        logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
+        return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
+
     def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
                                prepared: PreparedInputs, hidden: torch.Tensor,
                                output: RunnerOutput) -> None:
@@ -172,33 +205,79 @@ class ModelRunner:
             output.prompt_logprobs = compute_prompt_logprobs(hidden, self.model.compute_logits,
                                                              jobs)
 
-    def _use_split_kv(self, prepared: PreparedInputs) -> bool:
-        return prepared.is_decode_only and self._split_kv_for(len(prepared.seq_lens),
-                                                              prepared.max_seq_len)
+    def _remember_sampled(self, requests: list[Request], token_ids: torch.Tensor | None) -> None:
+        """Keep a launched step's sampled ids [S] on the device: the next step's decode
+        inputs that are still placeholders are filled from them, in stream order."""
+        self._last_sampled = token_ids
+        self._last_sampled_row = {r.request_id: i for i, r in enumerate(requests)}
 
-    def _split_kv_for(self, num_seqs: int, max_seq_len: int) -> bool:
-        """Whether a decode-only batch of this shape runs split-KV (flash-decoding)."""
+    def _input_ids(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [T] on the device
+        input_ids = self._to_device(prepared.input_ids)
+        pending = self._pending_inputs(prepared)
+        if pending is not None:
+            where, token_ids = pending
+            input_ids[where] = token_ids
+        return input_ids
+
+    def _pending_inputs(self, prepared: PreparedInputs
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat indices, token ids) on the device of the decode inputs the previous launched
+        step is still sampling (async scheduling); None when every input is known."""
+        if not prepared.pending_token_indices:
+            return None
+        rows = [self._last_sampled_row[rid] for rid in prepared.pending_request_ids]
+        where = index_on_device(prepared.pending_token_indices, self.device)
+        return where, self._last_sampled[index_on_device(rows, self.device)]
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for queued work (non-blocking)."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def _decode_kv_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
+        """Split-KV ways for a batch's decode part (1 on the torch path: no split)."""
         if self.attention_backend != "triton" or self.device.type != "cuda":
-            return False
-        from iterserve.kernels.ops import use_split_kv
+            return 1
+        from iterserve.kernels.ops import choose_num_splits
 
-        return use_split_kv(num_seqs, self.model_config.num_key_value_heads, max_seq_len, 1,
-                            self.num_sms)
+        return choose_num_splits(num_decodes, self.model_config.num_key_value_heads,
+                                 max_decode_seq_len, self.num_sms)
+
+    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, int]:
+        """num_decodes / num_kv_splits from the host arrays: the decode part alone decides."""
+        num_decodes = count_leading_decodes(prepared.query_start_loc)
+        longest = int(prepared.seq_lens[:num_decodes].max()) if num_decodes else 0
+        return {"num_decodes": num_decodes,
+                "num_kv_splits": self._decode_kv_splits(num_decodes, longest) if num_decodes else 1}
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
-            return self.graphs.run(prepared)
-        to = self.device
+            return self.graphs.run(prepared, self._pending_inputs(prepared))
+        to_device = self._to_device
         attn = AttentionMetadata(
-            query_start_loc=torch.from_numpy(prepared.query_start_loc).to(to),
-            seq_lens=torch.from_numpy(prepared.seq_lens).to(to),
-            block_tables=torch.from_numpy(prepared.block_tables).to(to),
-            slot_mapping=torch.from_numpy(prepared.slot_mapping).to(to),
+            query_start_loc=to_device(prepared.query_start_loc),
+            seq_lens=to_device(prepared.seq_lens),
+            block_tables=to_device(prepared.block_tables),
+            slot_mapping=to_device(prepared.slot_mapping),
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
-            use_split_kv=self._use_split_kv(prepared),
+            **self._attention_launch_hints(prepared),
         )
-        input_ids = torch.from_numpy(prepared.input_ids).to(to)
-        positions = torch.from_numpy(prepared.positions).to(to)
-        return self.model(input_ids, positions, self.kv_caches, attn)
+        positions = to_device(prepared.positions)
+        return self.model(self._input_ids(prepared), positions, self.kv_caches, attn)
+
+
+class ScoredStep:
+    """A launched step plus the prompt logprobs computed while it was launched."""
+
+    def __init__(self, step: StepHandle, scored: RunnerOutput) -> None:
+        self._step = step
+        self._scored = scored
+
+    def result(self) -> RunnerOutput:
+        output = self._step.result()
+        output.prompt_logprobs = self._scored.prompt_logprobs
+        return output

@@ -34,7 +34,8 @@ class NullRunner:
         for s in scheduler_output.scheduled:
             if s.samples:
                 request = s.request
+                position = s.num_computed_tokens + s.num_new_tokens  # of the sampled token
                 output.sampled_token_ids[request.request_id] = self.token_for(
-                    request.num_prompt_tokens, request.num_tokens, request.prompt_token_ids[0]
+                    request.num_prompt_tokens, position, request.prompt_token_ids[0]
                 )
         return output

@@ -6,6 +6,7 @@ the plain-torch reference (CPU, tests) and on the Triton kernels (CUDA) unchange
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -16,7 +17,11 @@ BACKENDS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class Ops:
-    """The six kernels a Llama-family forward needs; signatures are kernels/reference.py's."""
+    """The kernels a Llama-family forward needs; signatures are kernels/reference.py's.
+
+    paged_attention also takes the keyword-only launch hints num_decodes and num_kv_splits
+    (AttentionMetadata); the torch reference ignores them (they change launches, not math).
+    """
 
     name: str
     write_kv_cache: Callable[..., None]
@@ -25,26 +30,27 @@ class Ops:
     fused_add_rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., Any]
-    # (query [S, Hq, D], k_cache, v_cache, seq_lens, block_tables, scale) -> [S, Hq, D]
-    paged_decode_attention: Callable[..., Any]
 
 
 def _from_module(name: str, module: ModuleType) -> Ops:
     return Ops(
         name=name,
         write_kv_cache=module.write_kv_cache,
-        paged_attention=module.paged_attention,
+        paged_attention=(module.paged_attention if name == "triton"
+                         else _ignoring_launch_hints(module.paged_attention)),
         rms_norm=module.rms_norm,
         fused_add_rms_norm=module.fused_add_rms_norm,
         rotary_embedding=module.rotary_embedding,
         silu_and_mul=module.silu_and_mul,
-        paged_decode_attention=getattr(module, DECODE_ATTENTION_NAMES[name]),
     )
 
 
-# The decode-only attention: flash-decoding split-KV on Triton, its reference on torch.
-DECODE_ATTENTION_NAMES = {"torch": "paged_decode_attention",
-                          "triton": "paged_decode_attention_split_kv"}
+def _ignoring_launch_hints(attention: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(attention)
+    def paged_attention(*args: Any, num_decodes: int = 0, num_kv_splits: int = 1) -> Any:
+        return attention(*args)
+
+    return paged_attention
 
 
 def select_ops(attention_backend: str) -> Ops:

@@ -2,8 +2,11 @@
 
 One engine iteration is:
     Scheduler.schedule() -> SchedulerOutput
-    ModelRunner.execute(SchedulerOutput) -> RunnerOutput
-    Scheduler.update(SchedulerOutput, RunnerOutput) -> list[Request] finished this step
+    Runner.execute(SchedulerOutput) -> RunnerOutput      (or launch(...).result(), async)
+    Scheduler.update(SchedulerOutput, RunnerOutput) -> list[Request] that got a token
+
+Under async scheduling step N+1 is scheduled (and launched) before step N's RunnerOutput is
+known; see `replica/llm_engine.py`.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from dataclasses import dataclass, field
 from iterserve.replica.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of this iteration.
 
     The runner computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of
-    `request.all_token_ids`. When that reaches the end of the known tokens the runner samples
-    one new token for it (`samples` is True); a prefill chunk that stops short does not.
+    `request.all_token_ids`. When that reaches the end of the request's tokens the runner
+    samples one new token for it (`samples` is True); a prefill chunk that stops short does
+    not. The scheduler sets `samples` when it plans the step (under async scheduling the last
+    input token may still be in flight); left None, it is derived from the request.
     """
 
     request: Request
@@ -29,11 +34,17 @@ class ScheduledRequest:
     # A finished row of a static batch, recomputed only to keep the batch's shape: its key
     # and value are not written (slot -1) and nothing is sampled.
     is_padding: bool = False
+    samples: bool | None = None  # None: derived in __post_init__ (a bool afterwards)
+
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = (not self.is_padding and self.num_computed_tokens
+                            + self.num_new_tokens >= self.request.num_tokens)
 
     @property
-    def samples(self) -> bool:
-        return (not self.is_padding
-                and self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens)
+    def sample_position(self) -> int:
+        """Index into the request's output tokens of the token this step samples."""
+        return self.num_computed_tokens + self.num_new_tokens - self.request.num_prompt_tokens
 
     @property
     def is_decode(self) -> bool:
@@ -45,7 +56,7 @@ class SchedulerOutput:
     """What the runner must compute in one iteration: a flat batch of decodes and chunks.
 
     `scheduled` holds decodes first, then prefill chunks, in the order the runner lays them
-    out. `preempted` and `finished_ids` are informational: their blocks were already freed.
+    out. `preempted` is informational: those requests' blocks were already freed.
     The sum of `num_new_tokens` is at most max_num_batched_tokens and len(scheduled) at
     most max_num_seqs.
     """

@@ -32,7 +32,7 @@ FINISHED_STATUSES = frozenset(
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence: a prompt, its generated tokens and its progress through the KV cache.
 
@@ -50,7 +50,10 @@ class Request:
     index: int = 0  # child index when n > 1
     parent_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens in the KV cache, or scheduled into it by a step
+    # Tokens being sampled by steps still in flight (async scheduling): counted as tokens to
+    # compute, so the next step is planned before they are known. Always 0 when synchronous.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
@@ -85,7 +88,20 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        # Spelled out rather than through num_tokens: the scheduler reads it per request per step.
+        return (len(self.prompt_token_ids) + len(self.output_token_ids)
+                + self.num_output_placeholders - self.num_computed_tokens)
+
+    @property
+    def sampling_reads_output(self) -> bool:
+        """Whether sampling its next token reads its previous output tokens (penalties over
+        them, or min_tokens still masking stop tokens). Under async scheduling such a request
+        is not planned past a token still being sampled: it waits one step, so its sampling
+        sees every earlier token. Grammar-constrained requests belong here too."""
+        params = self.sampling_params
+        return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0
+                or len(self.output_token_ids) < params.min_tokens)
 
     @property
     def max_total_tokens(self) -> int:

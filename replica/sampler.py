@@ -51,30 +51,46 @@ class Sampler:
         error while the other rows' tokens stand. A device fault is re-raised (see
         `is_device_fault`): it is the whole step's, not one request's.
         """
-        logits = logits.float()
-        failed: dict[int, str] = {}
-        for row, request in enumerate(requests):
-            with _row_of(failed, row):
-                self._apply_penalties(logits[row], request)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
-        if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            token_ids[rows] = logits[rows].argmax(dim=-1)
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        log_probs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
-        for row, request in enumerate(requests):
-            if not request.sampling_params.is_greedy and row not in failed:
-                with _row_of(failed, row):
-                    token_ids[row] = self._draw(logits[row], request)
+        token_ids, log_probs, want_logprobs, failed = self.choose_tokens(logits, requests)
         chosen = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         for k, row in enumerate(want_logprobs):
             if row not in failed:
                 with _row_of(failed, row):
                     num_top = requests[row].sampling_params.logprobs or 0
                     logprobs[row] = _token_logprobs(log_probs[k], chosen[row], num_top)
         return chosen, logprobs, failed
+
+    def choose_tokens(
+        self,
+        logits: torch.Tensor,  # [S, V] float32, one row per sampling request
+        requests: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], dict[int, str]]:
+        """The sampled ids [S], the log-probabilities [W, V] of the W rows that asked for
+        logprobs, those rows, and the rows whose own work raised. The tensors stay on the
+        device: nothing here waits for the GPU (async scheduling copies them to the host
+        later), except the penalties' and min_tokens' index lists."""
+        logits = logits.float()
+        failed: dict[int, str] = {}
+        for row, request in enumerate(requests):
+            with _row_of(failed, row):
+                self._apply_penalties(logits[row], request)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        if len(greedy_rows) == len(requests):
+            token_ids = logits.argmax(dim=-1)  # [S]
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                rows = index_on_device(greedy_rows, logits.device)
+                token_ids[rows] = logits[rows].argmax(dim=-1)
+        want_logprobs = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        log_probs = (torch.log_softmax(logits[index_on_device(want_logprobs, logits.device)], dim=-1)
+                     if want_logprobs else None)
+        for row, request in enumerate(requests):
+            if not request.sampling_params.is_greedy and row not in failed:
+                with _row_of(failed, row):
+                    token_ids[row] = self._draw(logits[row], request)
+        return token_ids, log_probs, want_logprobs, failed
 
     def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:  # row: [V]
         params = request.sampling_params
@@ -97,7 +113,7 @@ class Sampler:
             if banned:
                 row[banned] = float("-inf")
 
-    def _draw(self, row: torch.Tensor, request: Request) -> int:  # row: [V]
+    def _draw(self, row: torch.Tensor, request: Request) -> torch.Tensor:  # row: [V] -> []
         params: SamplingParams = request.sampling_params
         scaled = row / params.temperature
         if params.top_k > 0 and params.top_k < scaled.shape[0]:
@@ -115,7 +131,15 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p with one generator call.
         noise = torch.empty_like(probs).exponential_(generator=self._generator_for(request))
-        return int((probs / noise).argmax())
+        return (probs / noise).argmax()
+
+
+def index_on_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on the device without waiting for the GPU (pinned, non-blocking copy)."""
+    indices = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices
 
 
 def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

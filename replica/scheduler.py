@@ -2,8 +2,9 @@
 
 One rule for everything: each request's num_computed_tokens catches up with its num_tokens.
 Every step spends one token budget (max_num_batched_tokens) on at most max_num_seqs
-requests: running decodes first, then running prefill chunks, then newly admitted waiting
-requests. Chunked prefill, decode and preemption are cases of that rule:
+requests: running requests first (in the policy's order: decodes, then prefill chunks),
+then newly admitted waiting requests. Chunked prefill, decode and preemption are cases of
+that rule:
 
 * a prefill is a request with many uncomputed tokens; with chunked prefill it takes what is
   left of the budget, without it, it waits until its whole prompt fits one step;
@@ -11,19 +12,17 @@ requests. Chunked prefill, decode and preemption are cases of that rule:
 * preemption frees a running request's blocks and sends it to the front of the waiting
   queue with num_computed_tokens = 0; its generated tokens are kept and recomputed.
 
-Policies only change who is admitted and who is preempted:
-    fcfs                 arrival order; when blocks run out, preempt the newest
-    priority             (priority, arrival) order; preempt the lowest priority, newest first
-    max_utilization      admit greedily like fcfs; preempt lowest priority, newest first
-    guaranteed_no_evict  admit only if prompt + max_tokens fit beside every running
-                         request's worst case; never preempt
-Static batching (`batching="static"`) admits a batch only when nothing is running and never
-admits mid-batch; everything else is the same code, so the two compare fairly. As in the
-static batching of HF `generate` and FasterTransformer, the batch keeps its shape until its
-longest request finishes: a finished request keeps its slot and its KV blocks and is computed
-as a padding row (one token a step, output discarded) until the batch ends
-(`static_batch_padding=False` lets finished rows leave at once instead). Padding rows give
-their blocks back early only if a live request of the batch would otherwise be preempted.
+Async scheduling (`plans_ahead=True`): step N+1 is planned while step N runs. `schedule()`
+then counts the tokens it plans as computed at once (as vLLM v1 always does) and each token
+a sampling request is about to get as a placeholder, so the next plan treats every running
+request as one token longer; `update()` fills in the sampled tokens and finishes what
+stopped, one step late. Synchronously, `update()` counts the computed tokens instead, so a
+plan that is dropped without running leaves no trace.
+
+Who is admitted, who grows first and who is preempted is the scheduling policy's answer
+(`replica/scheduling_policy.py`: fcfs, priority, max_utilization, guaranteed_no_evict); how
+batches form is the batching strategy's (`replica/batching_policy.py`: continuous, static).
+Both are objects chosen once here, so this file holds only the rule.
 """
 
 from __future__ import annotations
@@ -34,10 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from iterserve.replica.batching_policy import make_batching
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.scheduling_policy import SchedulingPolicy, make_policy
 
 
 class WaitingQueue:
@@ -91,18 +92,21 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
+        plans_ahead: bool = False,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
+        """policy: a SchedulingPolicy object to use instead of config.scheduler_policy's."""
         self.config = config
+        self.plans_ahead = plans_ahead  # async scheduling: see the module docstring
         self.block_manager = block_manager
         self.clock = clock
-        self.waiting = WaitingQueue(by_priority=config.scheduler_policy == "priority")
+        self.policy = policy or make_policy(config.scheduler_policy, config.max_model_len or 0)
+        self.batching = make_batching(config, clock, block_manager)
+        self.waiting = WaitingQueue(by_priority=self.policy.waiting_by_priority)
         self.running: list[Request] = []  # in admission order
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.num_out_of_blocks = 0
-        self._static_batch: set[str] = set()  # live requests of the static batch being served
-        self._padding_rows: list[Request] = []  # finished rows of that batch, still holding KV
-        self._last_admission = clock()
 
     # --------------------------------------------------------------------------- queries
     @property
@@ -115,6 +119,14 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None once it finished (or never was)."""
+        return self.requests.get(request_id)
+
+    def all_running_have_output(self) -> bool:
+        """Whether every running request has sampled at least once (benchmarks' warm-up)."""
+        return all(r.num_output_tokens > 0 for r in self.running)
 
     # ------------------------------------------------------------------------- lifecycle
     def add_request(self, request: Request) -> None:
@@ -148,126 +160,103 @@ class Scheduler:
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stop, length or abort) and return its blocks (see static padding)."""
+        """End a request (stop, length or abort) and return its blocks, unless static
+        batching keeps them as a padding row."""
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
         request.finished_time = self.clock()
-        in_static_batch = request.request_id in self._static_batch
-        self._static_batch.discard(request.request_id)
         self.requests.pop(request.request_id, None)
-        pads = (in_static_batch and self.config.static_batch_padding
-                and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
-                and request.num_computed_tokens > 0)
-        if pads:
-            self._padding_rows.append(request)
-        else:
+        if not self.batching.retire(request, status):
             self.block_manager.free(request)
-        if not self._static_batch:
-            self._release_padding_rows()
-
-    def _release_padding_rows(self) -> None:
-        for row in self._padding_rows:
-            self.block_manager.free(row)
-        self._padding_rows.clear()
 
     # ---------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        """Fill this step's token budget: running decodes, running chunks, then admissions."""
+        """Fill this step's token budget: running requests, then admissions, then padding."""
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Decodes first so that long prompts never stall them, then unfinished prefills; under
-        # priority-aware policies the most important grow first, so the victims of any
-        # preemption are the least important.
-        if self.config.scheduler_policy in ("priority", "max_utilization"):
-            ordered = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens != 1,
-                                                          r.priority, r.arrival_time))
-        else:
-            decodes, prefills = [], []
-            for r in self.running:
-                (decodes if r.num_uncomputed_tokens == 1 else prefills).append(r)
-            ordered = decodes + prefills
-        scheduled_ids: set[str] = set()
-        for request in ordered:
+        running_status = RequestStatus.RUNNING
+        manager = self.block_manager
+        for request in self.policy.order_running(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            num_new = self._tokens_to_compute(request, budget)
+            if request.num_output_placeholders and not self._plannable(request):
+                continue  # waits for the token it is being sampled
+            remaining = request.num_uncomputed_tokens
+            num_new = self._tokens_to_compute(remaining, budget)
             if num_new == 0:
                 continue
-            if not self._make_room(request, num_new, output, scheduled_ids):
-                continue
-            self.block_manager.allocate(request, num_new)
-            self._add_to_output(output, request, num_new)
-            scheduled_ids.add(request.request_id)
+            table = manager.try_allocate(request, num_new)
+            if table is None:
+                if not self._make_room(request, num_new, output):
+                    continue
+                manager.allocate(request, num_new)
+                table = manager.block_table(request.request_id)
+            self._add_to_output(output, request, num_new, num_new == remaining, table)
             budget -= num_new
         if not output.preempted:
             budget = self._admit_waiting(output, budget)
-        budget = self._schedule_padding_rows(output, budget)
+        budget = self.batching.schedule_padding(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return output
 
-    def _schedule_padding_rows(self, output: SchedulerOutput, budget: int) -> int:
-        """Static batching's padding: each finished row recomputes its last position."""
-        for row in self._padding_rows:
-            if budget == 0 or len(output.scheduled) >= self.config.max_num_seqs:
-                break
-            output.scheduled.append(ScheduledRequest(
-                request=row,
-                num_computed_tokens=row.num_computed_tokens - 1,
-                num_new_tokens=1,
-                block_table=self.block_manager.block_table(row.request_id),
-                is_padding=True,
-            ))
-            budget -= 1
-        return budget
+    def _plannable(self, request: Request) -> bool:
+        """A request with a token still being sampled is planned past it only if its
+        sampling does not read that token and it may still grow."""
+        if request.sampling_reads_output:
+            return False  # waits one step: its sampling needs the token in flight
+        params = request.sampling_params
+        num_out = request.num_output_tokens + request.num_output_placeholders
+        # Already at its length limit: the token in flight is its last.
+        return (num_out < params.max_tokens
+                and request.num_tokens + request.num_output_placeholders
+                < self.config.max_model_len)
 
-    def _tokens_to_compute(self, request: Request, budget: int) -> int:
-        remaining = request.num_uncomputed_tokens
+    def _tokens_to_compute(self, remaining: int, budget: int) -> int:
+        """How many of a request's `remaining` uncomputed tokens (after any prefix-cache
+        hits) to compute this step: all, or with chunked prefill as many as the budget
+        allows, else none."""
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _add_to_output(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        output.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                num_computed_tokens=request.num_computed_tokens,
-                num_new_tokens=num_new,
-                block_table=self.block_manager.block_table(request.request_id),
-            )
-        )
+    def _add_to_output(self, output: SchedulerOutput, request: Request, num_new: int,
+                       samples: bool, block_table: list[int]) -> None:
+        """Plan num_new tokens of the request (planning ahead: count them as computed);
+        `samples`: they are all its uncomputed tokens, so a token is sampled after them."""
+        computed = request.num_computed_tokens
+        output.scheduled.append(ScheduledRequest(request, computed, num_new, block_table, False,
+                                                 samples))
+        if self.plans_ahead:
+            request.num_computed_tokens = computed + num_new
+            if samples:
+                request.num_output_placeholders += 1
 
     def _make_room(
         self,
         request: Request,
         num_new: int,
         output: SchedulerOutput,
-        scheduled_ids: set[str],
     ) -> bool:
-        """Preempt until `request` can grow by num_new tokens; False if it was preempted."""
+        """Preempt until `request` can grow by num_new tokens; False if it cannot this step.
+        Requests already planned this step are never the victims."""
         while not self.block_manager.can_allocate(request, num_new):
-            if self._padding_rows:
-                self._release_padding_rows()  # padding is worth less than a live request
+            if self.batching.release_padding():
                 continue
             self.num_out_of_blocks += 1
-            if self.config.scheduler_policy == "guaranteed_no_evict":
-                return False  # admission reserved the worst case, so this is transient
-            victim = self._preemption_victim(exclude=scheduled_ids)
+            planned = {id(s.request) for s in output.scheduled}
+            candidates = [r for r in self.running if id(r) not in planned]
+            victim = self.policy.choose_victim(candidates)
+            if victim is None:
+                return False  # the policy never preempts: the shortage is transient
             self._preempt(victim, output)
             if victim is request:
                 return False
         return True
-
-    def _preemption_victim(self, exclude: set[str]) -> Request:
-        """The newest request, lowest priority first (fcfs ignores priority)."""
-        candidates = [r for r in self.running if r.request_id not in exclude]
-        if self.config.scheduler_policy == "fcfs":
-            return max(candidates, key=lambda r: r.arrival_time)
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -280,95 +269,76 @@ class Scheduler:
         output.preempted.append(request)
 
     # ---------------------------------------------------------------------------- admission
-    def _admission_open(self) -> bool:
-        config = self.config
-        if config.batching == "static":
-            return not self.running or bool(self._static_batch)
-        if config.admission_min_free_slots == 0 and config.admission_max_wait_ms == 0:
-            return True
-        free_slots = config.max_num_seqs - len(self.running)
-        if config.admission_min_free_slots and free_slots >= config.admission_min_free_slots:
-            return True
-        waited_ms = (self.clock() - self._last_admission) * 1000.0
-        return config.admission_max_wait_ms > 0 and waited_ms >= config.admission_max_wait_ms
-
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        if not self._admission_open():
+        if not self.batching.admission_open(len(self.running)):
             return budget
-        if self.config.batching == "static" and not self.running and not self._static_batch:
-            batch = itertools.islice(iter(self.waiting), self.config.max_num_seqs)
-            self._static_batch = {r.request_id for r in batch}
+        self.batching.start_admission(self.waiting, len(self.running))
+        manager = self.block_manager
         admitted = 0
         while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if self.config.batching == "static" and request.request_id not in self._static_batch:
-                break
-            hits = self.block_manager.find_cached_prefix(request)
-            num_hit_tokens = len(hits) * self.block_manager.block_size
-            num_new = self._tokens_to_compute_after(request, num_hit_tokens, budget)
+            if not self.batching.admits(request) or request.num_output_placeholders:
+                break  # not in the static batch, or its preempted step is still in flight
+            hits = manager.find_cached_prefix(request)
+            num_hit_tokens = len(hits) * manager.block_size
+            remaining = request.num_uncomputed_tokens - num_hit_tokens
+            num_new = self._tokens_to_compute(remaining, budget)
             if num_new == 0:
                 break
-            if not self._fits_policy(request, num_new, hits):
-                if not self._padding_rows:
+            if not self.policy.fits(request, num_new, hits, self.running, manager):
+                if not self.batching.release_padding():
                     break
-                self._release_padding_rows()
                 continue
             self.waiting.pop()
             if request.admitted_time is None:
-                self.block_manager.record_prefix_lookup(request.num_prompt_tokens, num_hit_tokens)
+                manager.record_prefix_lookup(request.num_prompt_tokens, num_hit_tokens)
                 request.num_cached_tokens = num_hit_tokens
-            self.block_manager.allocate(request, num_new, hits)
+            manager.allocate(request, num_new, hits)
             request.status = RequestStatus.RUNNING
             if request.admitted_time is None:
                 request.admitted_time = self.clock()
             self.running.append(request)
-            self._add_to_output(output, request, num_new)
+            self._add_to_output(output, request, num_new, num_new == remaining,
+                                manager.block_table(request.request_id))
             budget -= num_new
             admitted += 1
-        if admitted:
-            self._last_admission = self.clock()
+        self.batching.admitted(admitted)
         return budget
-
-    def _tokens_to_compute_after(self, request: Request, num_hit_tokens: int, budget: int) -> int:
-        remaining = request.num_tokens - num_hit_tokens
-        if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else 0
-
-    def _fits_policy(self, request: Request, num_new: int, hits: list[int]) -> bool:
-        manager = self.block_manager
-        if self.config.scheduler_policy != "guaranteed_no_evict":
-            return manager.can_allocate(request, num_new, hits)
-        # Reserve the worst case of every running request and of this one.
-        limit = self.config.max_model_len
-        reserved = sum(
-            manager.num_blocks_for(min(r.max_total_tokens, limit))
-            - len(manager.block_table(r.request_id))
-            for r in self.running
-        )
-        worst_new_tokens = min(request.max_total_tokens, limit) - len(hits) * manager.block_size
-        needed = manager.num_new_blocks_needed(request, worst_new_tokens, len(hits))
-        hits_in_free_pool = sum(1 for b in hits if manager.blocks[b].ref_count == 0)
-        return reserved + needed + hits_in_free_pool <= manager.num_free_blocks
 
     # ------------------------------------------------------------------------------ update
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish what stopped.
+        """Fill in the sampled tokens of a finished step and finish what stopped.
 
         Returns the requests that received a new token this step (finished ones included).
+        A request that finished or was aborted while the step ran gets nothing: under async
+        scheduling that discards the one extra token computed for it.
         """
         now = self.clock()
         updated: list[Request] = []
         block_size = self.block_manager.block_size
+        mark_computed = self.block_manager.mark_computed
+        sampled = runner_output.sampled_token_ids
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        plans_ahead = self.plans_ahead
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.status != RequestStatus.RUNNING or scheduled.is_padding:
-                continue  # aborted while the step ran, or a static batch's padding row
-            request.num_computed_tokens += scheduled.num_new_tokens
+            status = request.status
+            if scheduled.is_padding or (status is not running and status is not preempted):
+                continue  # a static batch's padding row, or it ended while the step ran
+            num_new = scheduled.num_new_tokens
+            computed = scheduled.num_computed_tokens + num_new
+            if not plans_ahead:
+                if status is not running:
+                    continue
+                request.num_computed_tokens = computed
             # A decode completes a block only when it lands on a block boundary.
-            if scheduled.num_new_tokens > 1 or request.num_computed_tokens % block_size == 0:
-                self.block_manager.mark_computed(request)
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if num_new > 1 or computed % block_size == 0:
+                mark_computed(request, computed)
+            if not scheduled.samples:
+                continue
+            if plans_ahead:
+                request.num_output_placeholders -= 1
+            token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue
             request.output_token_ids.append(token_id)
@@ -376,20 +346,21 @@ class Scheduler:
                 request.first_token_time = now
             request.token_times.append(now)
             updated.append(request)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self.finish(request, status)
+            stop = self._stop_status(request, token_id)
+            if stop is not None:
+                self.finish(request, stop)
         return updated
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        num_out = request.num_output_tokens
+        num_out = len(request.output_token_ids)
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        num_tokens = len(request.prompt_token_ids) + num_out
+        if num_out >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

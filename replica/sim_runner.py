@@ -12,9 +12,9 @@ microseconds of CPU (a few integer hashes per request) and the rest is `time.sle
 Default coefficients: Llama-3-8B (bf16) on one H100 SXM 80GB, vLLM-class engine. Each is
 derived from published figures next to it; measured coefficients replace them through
 `CostModel.fit(...)` (least squares over measured steps), `CostModel.from_json(path)`, or the
-`ITERSERVE_SIM_COST_MODEL` environment variable (a JSON file path or an inline JSON object
-of CostModel / SimulatorConfig fields, optionally {"preset": "h200"}), read once, in the
-constructor. `SimulatorConfig.preset("h200")` gives H200 SXM 141GB figures.
+engine setting `simulator` (`--simulator`: a preset name, a JSON file path or an inline JSON
+object of CostModel / SimulatorConfig fields, optionally {"preset": "h200"}), read once, in
+the constructor. `SimulatorConfig.preset("h200")` gives H200 SXM 141GB figures.
 
 Tokens: token at output position p of a request is hash(seed, p) mod vocab_size, where
 seed is SamplingParams.seed (mixed with the child index) if set, else a stable hash of
@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
-from iterserve.replica.errors import DeviceFaultError
+from iterserve.replica.errors import DeviceFaultError, is_device_fault
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-
-ENV_SIM_CONFIG = "ITERSERVE_SIM_COST_MODEL"
+from iterserve.replica.runner_base import CompletedStep, StepHandle
 
 GiB = 1024**3
 _MASK64 = (1 << 64) - 1
@@ -155,12 +154,15 @@ class SimulatorConfig:
         return dataclasses.replace(base, cost=cost, **data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> SimulatorConfig:
-        """From ITERSERVE_SIM_COST_MODEL (JSON file path or inline JSON); defaults if unset."""
-        raw = environ.get(ENV_SIM_CONFIG, "").strip()
-        if not raw:
+    def from_spec(cls, spec: str | None) -> SimulatorConfig:
+        """EngineConfig.simulator: None (defaults), a preset name (h100, h200), inline JSON or
+        the path of a JSON file, as `from_mapping` reads them."""
+        if spec is None or not spec.strip():
             return cls()
-        text = raw if raw.startswith("{") else Path(raw).read_text()
+        spec = spec.strip()
+        if spec in ("h100", "h200"):
+            return cls.preset(spec)
+        text = spec if spec.startswith("{") else Path(spec).read_text()
         return cls.from_mapping(json.loads(text))
 
 
@@ -206,13 +208,15 @@ class SimulatedRunner:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.engine_config = engine_config
         self.vocab_size = vocab_size
-        self.sim = sim_config if sim_config is not None else SimulatorConfig.from_env(os.environ)
+        self.sim = (sim_config if sim_config is not None
+                    else SimulatorConfig.from_spec(engine_config.simulator))
         self._sleep = sleep_fn
         self._clock = clock
         self._seeds: dict[str, int] = {}
         self._banned: dict[str, frozenset[int]] = {}
         self.total_simulated_s = 0.0  # sum of modelled step times (before time_scale)
         self.num_steps = 0
+        self._busy_until = 0.0  # when the last launched step ends on the simulated GPU
 
     # ---------------------------------------------------------------------------- memory
     @property
@@ -256,24 +260,41 @@ class SimulatedRunner:
         return self.sim.cost.step_time(*self.batch_shape(scheduler_output))
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Sample at once (microseconds of CPU) and return a step that completes when the
+        simulated GPU would: the modelled time after the later of now and the end of the
+        step before it, as kernels queue on one CUDA stream. Whatever the engine does on the
+        CPU before calling result() hides behind that time."""
         start = self._clock()
         output = RunnerOutput()
         if scheduler_output.is_empty:
-            return output
+            return CompletedStep(output)
         if self.sim.fault_trigger_file is not None and _claim(self.sim.fault_trigger_file):
             raise DeviceFaultError("simulated GPU fault (chaos trigger file)")
         modelled = self.step_time(scheduler_output)
         for s in scheduler_output.scheduled:
             if s.samples:
-                output.sampled_token_ids[s.request.request_id] = self._sample(s)
+                self._sample_into(output, s)
         self.total_simulated_s += modelled
         self.num_steps += 1
-        if self.sim.sleep:
-            # Sleep what is left of the modelled step after our own (tiny) CPU time.
-            remaining = modelled * self.sim.time_scale - (self._clock() - start)
-            if remaining > 0:
-                self._sleep(remaining)
-        return output
+        if not self.sim.sleep:
+            return CompletedStep(output)
+        # The step starts after our own (tiny) CPU time, or when the previous step ends.
+        done_at = max(start, self._busy_until) + modelled * self.sim.time_scale
+        self._busy_until = done_at
+        return SimulatedStep(output, done_at, self._clock, self._sleep)
+
+    def _sample_into(self, output: RunnerOutput, s: ScheduledRequest) -> None:
+        """One request's token; a failure ends that request alone (the engine reads errors)."""
+        request_id = s.request.request_id
+        try:
+            output.sampled_token_ids[request_id] = self._sample(s)
+        except Exception as error:  # noqa: BLE001 - reported per request; device faults raise
+            if is_device_fault(error):
+                raise
+            output.failed[request_id] = f"{type(error).__name__}: {error}"
 
     def release(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -300,7 +321,7 @@ class SimulatedRunner:
 
     def _sample(self, s: ScheduledRequest) -> int:
         seed = self._seed_for(s)
-        position = s.request.num_output_tokens  # index of the token being sampled
+        position = s.sample_position  # index of the token being sampled
         request = s.request
         banned = self._banned[request.request_id]
         if (
@@ -315,6 +336,23 @@ class SimulatedRunner:
         if len(banned) >= self.vocab_size:
             raise ValueError("every token id is an EOS or stop token; cannot sample")
         return sim_token(seed, position, self.vocab_size, banned)
+
+
+class SimulatedStep:
+    """A launched simulated step: its output is ready at `done_at` on the runner's clock."""
+
+    def __init__(self, output: RunnerOutput, done_at: float, clock: Callable[[], float],
+                 sleep: Callable[[float], None]) -> None:
+        self._output = output
+        self.done_at = done_at
+        self._clock = clock
+        self._sleep = sleep
+
+    def result(self) -> RunnerOutput:
+        remaining = self.done_at - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
+        return self._output
 
 
 def expected_decode_tokens_per_s(cost: CostModel, batch: int, context: int) -> float:

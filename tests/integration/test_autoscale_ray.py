@@ -28,9 +28,7 @@ def ray_serve():
 
     from iterserve.loadtests.sim_harness import start_ray
 
-    env = autoscaling_env_vars(SCALING)
-    env["ITERSERVE_SIM_COST_MODEL"] = json.dumps({"time_scale": 5.0})
-    start_ray(env, num_cpus=8)
+    start_ray(autoscaling_env_vars(SCALING), num_cpus=8)
     yield
     serve.shutdown()
     ray.shutdown()
@@ -41,7 +39,8 @@ def test_scale_up_then_down_without_failed_requests(ray_serve):
 
     load = StepLoad(seed=1, low_rate=0.3, high_rate=4.0, low1_s=4.0, high_s=20.0,
                     low2_s=25.0)
-    result = asyncio.run(run(load, SCALING, dict(ENGINE_KWARGS), 5.0, app_name="as_test"))
+    engine = {**ENGINE_KWARGS, "simulator": json.dumps({"time_scale": 5.0})}
+    result = asyncio.run(run(load, SCALING, engine, 5.0, app_name="as_test"))
     s = result["summary"]
     assert s["failed"] == 0, result["errors"]
     assert s["peak_replicas"] >= 2, result["counts"]

@@ -86,6 +86,9 @@ def test_models_list_reports_engine_config(client: openai.OpenAI, base_url: str,
     meta = card["metadata"]
     assert meta["num_gpu_blocks_override"] == 128
     assert meta["max_num_seqs"] == 8 and meta["max_waiting_requests"] == 4
+    # Resolved once, before the replicas started: no "auto" left, the model's own name.
+    assert (meta["dtype"], meta["device"], meta["attention_backend"]) == ("float32", "cpu", "torch")
+    assert meta["served_model_name"] == card["id"]
     for key in ("max_num_batched_tokens", "enable_chunked_prefill", "block_size",
                 "scheduler_policy", "batching", "num_gpu_blocks"):
         assert key in meta

@@ -11,7 +11,7 @@ from kernel_testlib import INTERPRET
 
 from iterserve.kernels import ops
 
-KERNEL_MODULES = ["kv_cache", "norm", "rotary", "activation", "paged_attention", "split_kv"]
+KERNEL_MODULES = ["kv_cache", "norm", "rotary", "activation", "attention_core", "paged_attention", "split_kv"]
 
 
 def _kernels() -> dict[str, object]:

@@ -27,7 +27,7 @@ def test_launcher_takes_the_reference_arguments(name: str) -> None:
     assert list(got)[: len(want)] == list(want)
     for extra in list(got)[len(want) :]:
         assert got[extra].kind is inspect.Parameter.KEYWORD_ONLY
-        assert got[extra].default is None
+        assert got[extra].default is not inspect.Parameter.empty
 
 
 def test_split_kv_matches_its_reference_signature() -> None:

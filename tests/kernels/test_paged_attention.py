@@ -29,7 +29,7 @@ CASES = [
 ]
 
 
-def _run(batch: object, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(batch: object, dtype: torch.dtype, **hints: int) -> tuple[torch.Tensor, torch.Tensor]:
     args = (
         batch.query,
         batch.k_cache,
@@ -39,7 +39,7 @@ def _run(batch: object, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
         batch.block_tables,
         batch.scale,
     )
-    got = ops.paged_attention(*args, out=poisoned(tuple(batch.query.shape), dtype))
+    got = ops.paged_attention(*args, **hints, out=poisoned(tuple(batch.query.shape), dtype))
     return got, ref.paged_attention(*args)
 
 
@@ -63,18 +63,21 @@ def test_mixed_batch_matches_reference(
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("builder", "config"),
     [
-        {"BLOCK_M": 16, "BLOCK_Q": 4, "TILE_N": 16, "num_warps": 4, "num_stages": 1},
-        {"BLOCK_M": 64, "BLOCK_Q": 16, "TILE_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_Q": 32, "TILE_N": 32, "num_warps": 8, "num_stages": 2},
+        ("decode_config", {"BLOCK_M": 16, "BLOCK_Q": 1, "TILE_N": 16, "num_warps": 4, "num_stages": 1}),
+        ("prefill_config", {"BLOCK_M": 16, "BLOCK_Q": 4, "TILE_N": 16, "num_warps": 4, "num_stages": 1}),
+        ("prefill_config", {"BLOCK_M": 64, "BLOCK_Q": 16, "TILE_N": 64, "num_warps": 4, "num_stages": 2}),
+        ("prefill_config", {"BLOCK_M": 128, "BLOCK_Q": 32, "TILE_N": 32, "num_warps": 8, "num_stages": 2}),
     ],
-    ids=["decode-tiles", "mixed-tiles", "prefill-tiles"],
+    ids=["decode-small-tiles", "chunk-small-tiles", "chunk-mid-tiles", "chunk-large-tiles"],
 )
-def test_every_tile_config_is_correct(monkeypatch: pytest.MonkeyPatch, config: dict[str, int]) -> None:
-    # The launcher picks tiles from batch shape; force each so all of them are checked on the
-    # same batch (query blocks straddling chunk ends, tiles straddling cache blocks).
-    monkeypatch.setattr(pa, "attention_config", lambda *args: config)
+def test_every_tile_config_is_correct(
+    monkeypatch: pytest.MonkeyPatch, builder: str, config: dict[str, int]
+) -> None:
+    # The launchers pick tiles from the head layout; force others so the kernel is checked on
+    # query blocks straddling chunk ends and tiles straddling cache blocks at every size.
+    monkeypatch.setattr(pa, builder, lambda *args: config)
     batch = make_paged_batch(
         Q_LENS,
         SEQ_LENS,
@@ -85,7 +88,7 @@ def test_every_tile_config_is_correct(monkeypatch: pytest.MonkeyPatch, config: d
         dtype=torch.float32,
         seed=3,
     )
-    got, want = _run(batch, torch.float32)
+    got, want = _run(batch, torch.float32, num_decodes=1)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
@@ -100,9 +103,9 @@ def test_pure_decode_and_single_long_prefill() -> None:
         dtype=torch.float32,
         seed=5,
     )
-    got, want = _run(decode, torch.float32)
+    got, want = _run(decode, torch.float32, num_decodes=5)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
-    # One 130-token prompt: tokens per sequence >= 64 selects the 128-row prefill tiles.
+    # One 130-token prompt on the 128-row chunk tiles: two query blocks, heaviest first.
     prefill = make_paged_batch(
         [130],
         [130],
@@ -113,7 +116,7 @@ def test_pure_decode_and_single_long_prefill() -> None:
         dtype=torch.float16,
         seed=6,
     )
-    assert pa.attention_config(130, 1, 2, 64)["BLOCK_M"] == 128
+    assert pa.prefill_config(2, 64)["BLOCK_M"] == 128
     got, want = _run(prefill, torch.float16)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float16])
 
@@ -147,7 +150,7 @@ def test_int64_metadata_and_strided_query() -> None:
 
 
 def test_grid_covers_any_batch_for_any_block_q() -> None:
-    # The launch grid T // BLOCK_Q + S must give every sequence cdiv(q_len, BLOCK_Q) programs.
+    # The chunk grid T // BLOCK_Q + S must give every sequence cdiv(q_len, BLOCK_Q) programs.
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         q_lens = torch.randint(0, 40, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen)

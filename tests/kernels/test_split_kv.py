@@ -86,15 +86,21 @@ def test_split_kv_default_split_count() -> None:
 
 
 def test_choose_num_splits() -> None:
-    # A big batch already fills 132 SMs: no split.
+    # A big batch already fills 3 programs per SM on 132 SMs: no split.
     assert ops.choose_num_splits(64, 8, 16384, 132) == 1
-    # One sequence, 8 KV heads: ~2 programs per SM wanted, capped at MAX_SPLITS.
-    assert ops.choose_num_splits(1, 8, 16384, 132) == split_kv.MAX_SPLITS
-    # Short contexts are not worth splitting below MIN_TOKENS_PER_SPLIT tokens per split.
-    assert ops.choose_num_splits(1, 8, 512, 132) == 2
+    assert ops.choose_num_splits(50, 8, 16384, 132) == 1  # 400 programs >= 396
+    # One sequence, 8 KV heads: 50 splits wanted for 3 x 132 programs, a power of two below.
+    assert ops.choose_num_splits(1, 8, 16384, 132) == 32
+    assert ops.choose_num_splits(1, 1, 16384, 132) == split_kv.MAX_SPLITS
+    # Splits never go below MIN_TOKENS_PER_SPLIT = 64 tokens: 1 x 512 gets 8 (64 CTAs, not 16).
+    assert ops.choose_num_splits(1, 8, 512, 132) == 8
     assert ops.choose_num_splits(1, 8, 100, 132) == 1
-    assert ops.choose_num_splits(16, 8, 4096, 132) == 3
+    assert ops.choose_num_splits(16, 8, 4096, 132) == 4  # 128 programs -> 512
     assert ops.choose_num_splits(0, 8, 4096, 132) == 1
+    for programs in range(1, 400, 7):
+        splits = ops.choose_num_splits(programs, 1, 1 << 20, 132)
+        assert splits in split_kv.SPLIT_COUNTS
+        assert splits == 1 or programs * splits <= 2 * 3 * 132  # no more than the GPU holds
 
 
 def test_use_split_kv() -> None:

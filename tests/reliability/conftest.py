@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 
 import pytest
-from reliability_support import SIM_COST, ServeSession, free_port
-
-from iterserve.replica.sim_runner import ENV_SIM_CONFIG
+from reliability_support import ServeSession, free_port
 
 
 @pytest.fixture(scope="session")
@@ -19,8 +16,6 @@ def serve_session() -> Iterator[ServeSession]:
     from ray import serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Replica workers inherit this: simulated runners (runner="simulated") use SIM_COST.
-    os.environ.setdefault(ENV_SIM_CONFIG, json.dumps(SIM_COST))
     port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2, namespace=f"iterserve-reliability-{port}")

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from iterserve.loadtests.servers import free_port, wait_until_ready
 
 # Small real engines on CPU: the tiny random-weight model, short context, few KV blocks.
 TINY_ENGINE: dict[str, Any] = {
@@ -40,12 +41,6 @@ TINY_ENGINE: dict[str, Any] = {
     "max_num_seqs": 8,
 }
 APP_NAME = "iterserve"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def is_openai_error(response: httpx.Response) -> bool:
@@ -186,7 +181,7 @@ class ServeSession:
         keys = app_args.get("api_keys") or []
         headers = {"Authorization": f"Bearer {keys[0]}"} if keys else None
         try:
-            wait_ready(self.base_url, ready_timeout_s, headers)
+            wait_until_ready(self.base_url, timeout_s=ready_timeout_s, headers=headers)
             yield self.base_url
         finally:
             serve.delete(APP_NAME, _blocking=True)
@@ -198,21 +193,6 @@ class ServeSession:
 
         node = ray._private.worker._global_node  # no public accessor in Ray 2.60
         return Path(node.get_logs_dir_path())
-
-
-def wait_ready(base_url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=5)
-            if response.status_code == 200:
-                return
-            last = f"HTTP {response.status_code}"
-        except httpx.HTTPError as error:
-            last = type(error).__name__
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s}s ({last})")
 
 
 def replica_stats(base_url: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
@@ -254,6 +234,7 @@ SIM_COST = {"a_s": 0.02, "fault_trigger_file": SIM_FAULT_FILE}
 SIM_ENGINE: dict[str, Any] = {
     "model": "iterserve-tiny",  # only its config and tokenizer are read
     "runner": "simulated",
+    "simulator": json.dumps(SIM_COST),
     "max_model_len": 1024,
     "num_gpu_blocks_override": 256,
     "max_num_seqs": 8,

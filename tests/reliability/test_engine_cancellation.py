@@ -104,7 +104,7 @@ def _replica_outside_serve() -> Any:
 
     cls = LLMReplica.func_or_class
     replica = cls.__new__(cls)
-    asyncio.run(replica.__init__(None, dict(ENGINE)))
+    asyncio.run(replica.__init__(EngineConfig.from_kwargs(**ENGINE)))
     return replica
 
 

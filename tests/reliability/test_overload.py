@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from reliability_support import (
-    SIM_COST,
     SIM_ENGINE,
     local_server,
     replica_stats,
@@ -25,7 +24,6 @@ from reliability_support import (
 )
 
 from iterserve.loadtests.overload import OverloadResult, overload
-from iterserve.replica.sim_runner import ENV_SIM_CONFIG
 
 MAX_WAITING = 8
 ENGINE = {**SIM_ENGINE, "max_waiting_requests": MAX_WAITING}
@@ -49,8 +47,7 @@ def check(result: OverloadResult, max_429_p99_s: float, rss_growth_mb: float) ->
     assert rss_growth_mb < 64, f"RSS grew {rss_growth_mb:.1f} MB under overload; {summary}"
 
 
-def test_overload_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_SIM_CONFIG, json.dumps(SIM_COST))
+def test_overload_in_process() -> None:
     with local_server(ENGINE) as server:
         def sample() -> dict[str, Any]:
             stats = server.engine.stats()

@@ -1,4 +1,4 @@
-"""deploy/app.py, cli.py, cli_serve.py, auth.py and load_signals: no Ray processes started."""
+"""deploy/app.py, cli.py, cli_serve.py, auth.py and the load record: no Ray processes started."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy import cli, cli_serve
 from iterserve.deploy.app import AppArgs, build_app, coerce_engine_kwargs
 from iterserve.deploy.auth import API_KEYS_ENV, ApiKeyChecker, load_api_keys
-from iterserve.deploy.engine_info import flat_config, load_signals
+from iterserve.deploy.engine_info import flat_config
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.stats import EngineStats
 
@@ -57,7 +57,10 @@ def test_build_app_binds_ingress_over_replica():
     replica = ingress.init_args[0]
     assert replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.num_replicas == 2
-    assert replica._bound_deployment.init_args[1] == {"max_num_seqs": 4}
+    engine = replica._bound_deployment.init_args[0]  # resolved once, on the driver
+    assert isinstance(engine, EngineConfig) and engine.is_resolved
+    assert engine.scheduler.max_num_seqs == 4
+    assert (engine.device, engine.dtype, engine.attention_backend) == ("cpu", "float32", "torch")
     assert isinstance(ingress.init_kwargs["api_keys"][0], SecretStr)
 
 
@@ -117,12 +120,12 @@ def test_api_key_checker():
     assert ApiKeyChecker([]).allows(None)
 
 
-def test_load_signals_feed_the_router():
+def test_replica_load_round_trips_as_numbers():
     stats = EngineStats(timestamp=1.0, num_running=2, num_waiting=1, num_total_blocks=10,
                         num_free_blocks=4, kv_usage=0.6, num_preemptions=0,
                         num_out_of_blocks=0, last_step_tokens=3, step_token_rate=9.0,
                         max_waiting_requests=None)
-    signals = load_signals(stats, draining=True)
+    signals = ReplicaLoad.from_engine_stats(stats, draining=True).to_dict()
     assert all(isinstance(v, float) for v in signals.values())
     load = ReplicaLoad.from_dict(signals)
     assert load.kv_usage == 0.6 and load.num_waiting == 1 and load.num_running == 2

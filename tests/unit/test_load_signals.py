@@ -67,16 +67,17 @@ def test_routing_stats_period_is_at_most_one_second():
     assert 0 < ROUTING_STATS_PERIOD_S <= 1.0
 
 
-def test_accepts_the_deploy_load_signals_dict():
-    # deploy/engine_info.load_signals: every value a float, -1 for an unbounded queue
+def test_the_wire_dict_is_numbers_and_round_trips():
+    # record_routing_stats / record_autoscaling_stats must return numbers: -1 for an
+    # unbounded queue, 1.0 / 0.0 for draining.
     wire = {"kv_usage": 0.25, "num_waiting": 3.0, "num_running": 7.0, "num_free_blocks": 75.0,
             "num_total_blocks": 100.0, "num_preemptions": 2.0, "step_token_rate": 10.0,
             "max_waiting_requests": -1.0, "timestamp": 5.0}
     load = ReplicaLoad.from_dict(wire)
     assert load.num_waiting == 3 and load.max_waiting_requests is None and not load.draining
     assert ReplicaLoad.from_dict({**wire, "max_waiting_requests": 8.0, "draining": 1.0}).draining
-    try:
-        from iterserve.deploy.engine_info import load_signals
-    except ImportError:
-        return
-    assert ReplicaLoad.from_dict(load_signals(stats())) == ReplicaLoad.from_engine_stats(stats())
+    for draining in (False, True):
+        sent = ReplicaLoad.from_engine_stats(stats(), draining=draining)
+        assert all(isinstance(v, float) for v in sent.to_dict().values())
+        assert all(isinstance(v, float) for v in sent.to_autoscaling_metrics().values())
+        assert ReplicaLoad.from_dict(sent.to_dict()) == sent

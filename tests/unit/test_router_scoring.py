@@ -226,11 +226,13 @@ def test_adapter_ranks_singletons_and_sets_backoff():
     import asyncio
     import time as _time
 
+    # Build the router first: on a loaded machine its construction can outlast
+    # stats_stale_after_s, which would make stats stamped before it look stale.
+    router = _router(prefix_affinity=False)
     now = _time.time()
     full = _FakeReplica("full", load(kv=0.97, ts=now).to_dict())
     busy = _FakeReplica("busy", load(kv=0.3, waiting=2, ts=now).to_dict())
     idle = _FakeReplica("idle", load(kv=0.1, ts=now).to_dict())
-    router = _router(prefix_affinity=False)
     pending = _pending([list(range(50))])
     ranks = asyncio.run(router.choose_replicas([full, busy, idle], pending))
     assert [[r.replica_id.unique_id for r in g] for g in ranks] == [["idle"], ["busy"], ["full"]]
@@ -241,10 +243,12 @@ def test_adapter_tracks_in_flight_and_affinity():
     import asyncio
     import time as _time
 
+    # first: see test_adapter_ranks_singletons_and_sets_backoff. The routed-work meter is
+    # off: this test is about affinity and in-flight counts (the meter has its own test).
+    router = _router(routed_work_weight=0.0)
     now = _time.time()
     a = _FakeReplica("a", load(kv=0.1, ts=now - 0.5).to_dict())
     b = _FakeReplica("b", load(kv=0.1, ts=now - 0.5).to_dict())
-    router = _router()
     prompt = list(range(80))
     first = asyncio.run(router.choose_replicas([a, b], _pending([prompt], rid="1")))[0][0]
     router.on_request_routed(_pending([prompt], rid="1"), first.replica_id, None)
@@ -262,7 +266,7 @@ def test_adapter_tracks_in_flight_and_affinity():
     assert fresh.replica_id == other.replica_id  # no affinity: load order
     router.on_request_completed(first.replica_id, "1")
     router.on_request_completed(first.replica_id, "never-routed")  # rejected: ignored
-    assert len(router._in_flight) == 0
+    assert len(router._core.in_flight) == 0
 
 
 def test_extract_prompt_token_ids():
@@ -302,3 +306,50 @@ def test_committed_kv_counts_growth_the_stats_do_not_show_yet():
     # and a big request would push "a" over the watermark
     s = score_replicas(["a"], loads, {"a": Correction(0, 0, 12000)}, CFG, NOW, 3000)[0]
     assert s.eff_kv == pytest.approx(0.75) and s.tier == TIER_HOT
+
+
+def test_prefill_work_counts_the_size_of_unseen_prompts():
+    loads = {"a": load(), "b": load()}
+    # one unseen request each, but a's is a 6000-token prompt and b's 100 tokens
+    corr = {"a": Correction(1, 6100, 6100, 6000), "b": Correction(1, 200, 200, 100)}
+    assert rank(loads, corr)[0] == "b"
+    on = {s.replica_id: s.score for s in score_replicas(["a", "b"], loads, corr, CFG, NOW)}
+    off_cfg = RouterConfig(score_prefill_work=False)
+    off = {s.replica_id: s.score for s in score_replicas(["a", "b"], loads, corr, off_cfg,
+                                                         NOW)}
+    gap = (on["a"] - on["b"]) - (off["a"] - off["b"])
+    assert abs(gap - (6000 - 100) / CFG.prefill_tokens_per_waiting) < 1e-9
+
+
+def test_replica_cache_answers_replace_affinity():
+    loads = {"a": load(kv=0.2), "b": load(kv=0.1)}
+    # b holds 6000 of the 7000-token prompt: 6000 / 1024 waiting-equivalents saved
+    cached = {"a": 0, "b": 6000}
+    assert rank_replicas(["a", "b"], loads, {}, CFG, prompt_tokens=7000,
+                         cached_tokens=cached)[0] == "b"
+    # the affinity table (a) is ignored when the replicas' answers are known
+    assert rank_replicas(["a", "b"], {"a": load(kv=0.1), "b": load(kv=0.1)}, {}, CFG,
+                         prompt_prefix_hash=7, affinity={7: "a"}, prompt_tokens=7000,
+                         cached_tokens={"a": 0, "b": 6000})[0] == "b"
+    # but load still wins over a cache hit when the cached replica is far behind
+    busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=9)}
+    assert rank_replicas(["a", "b"], busy, {}, CFG, prompt_tokens=7000,
+                         cached_tokens=cached)[0] == "a"
+
+
+def test_routed_work_meter_decays_and_balances_what_stats_cannot_show():
+    from iterserve.autoscale.router_policy import RoutedWorkMeter
+
+    meter: RoutedWorkMeter[str] = RoutedWorkMeter(half_life_s=5.0)
+    meter.add("a", 4096, now=0.0)
+    assert meter.snapshot(5.0)["a"] == 2048.0
+    meter.add("a", 1000, now=5.0)
+    assert meter.snapshot(5.0)["a"] == 3048.0
+    loads = {"a": load(), "b": load()}
+    work = meter.snapshot(5.0)
+    assert rank_replicas(["a", "b"], loads, {}, CFG, routed_work=work)[0] == "b"
+    # a replica that caches most of the prompt keeps it despite the work sent there
+    assert rank_replicas(["a", "b"], loads, {}, CFG, routed_work=work, prompt_tokens=7000,
+                         cached_tokens={"a": 6000, "b": 0})[0] == "a"
+    meter.forget_replica("a")
+    assert meter.snapshot(5.0) == {}

@@ -12,7 +12,6 @@ from iterserve.replica.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.sim_runner import (
-    ENV_SIM_CONFIG,
     CostModel,
     SimulatedRunner,
     SimulatorConfig,
@@ -155,12 +154,12 @@ def test_measured_coefficients_replace_defaults(tmp_path):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     path = tmp_path / "cost.json"
     path.write_text(json.dumps({"a_s": 0.001, "time_scale": 3.0}))
-    sim = SimulatorConfig.from_env({ENV_SIM_CONFIG: str(path)})
+    sim = SimulatorConfig.from_spec(str(path))
     assert sim.cost.a_s == 0.001 and sim.time_scale == 3.0
-    assert SimulatorConfig.from_env({}) == SimulatorConfig()
-    inline = SimulatorConfig.from_env({ENV_SIM_CONFIG: '{"cost": {"a_s": 0.002}}'})
+    assert SimulatorConfig.from_spec(None) == SimulatorConfig()
+    inline = SimulatorConfig.from_spec('{"cost": {"a_s": 0.002}}')
     assert inline.cost.a_s == 0.002
-    h200 = SimulatorConfig.from_env({ENV_SIM_CONFIG: '{"preset": "h200", "time_scale": 2}'})
+    h200 = SimulatorConfig.from_spec('{"preset": "h200", "time_scale": 2}')
     assert h200.gpu_memory_bytes == 141 * 10**9 and h200.time_scale == 2.0
     assert h200.cost.step_time(0, 1, 512) < CostModel().step_time(0, 1, 512)
     with pytest.raises(ValueError):

@@ -1,8 +1,8 @@
 """The GPU benchmark's code paths, run once on CPU through the interpreter with tiny shapes.
 
 The benchmark cannot be timed here, but its tensor plumbing (paged layouts, the dense copies
-handed to SDPA, the bf16 correctness table) can be checked, so a GPU session does not die on
-a shape bug.
+handed to SDPA, the launches the engine picks, the bf16 correctness rows) and its floors can
+be checked, so a GPU session does not die on a shape bug.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_testlib import INTERPRET
 
-from iterserve.kernels import bench
+from iterserve.loadtests import kernel_bench as bench
 
 
 @pytest.fixture
@@ -25,12 +25,23 @@ def cpu_bench(monkeypatch: pytest.MonkeyPatch) -> torch.Generator:
 @pytest.mark.skipif(not INTERPRET, reason="the real benchmark covers this on a GPU")
 def test_bench_rows_on_cpu(cpu_bench: torch.Generator) -> None:
     row = bench._decode_row(2, 40, cpu_bench, copy_bw=1e12, sms=132)
-    assert row[:2] == [2, 40] and row[4] in ("split", "varlen")
-    assert len(row) == len(bench.DECODE_HEADER)
+    assert len(row) == len(bench.HEADER) and row[0] == "decode attention"
+    assert row[1] == "batch 2 x ctx 40, splits 1" and row[4] == "-"
     prefill = bench._prefill_row(48, cpu_bench)
-    assert prefill[0] == 48 and prefill[2] > 0
-    table = bench._table(bench.DECODE_HEADER, [row])
-    assert table.count("\n") == 2 and "| 2 | 40 |" in table
+    assert prefill[1] == "one causal chunk of 48" and "TFLOPS" in prefill[2]
+    table = bench._table(bench.HEADER, [row, prefill])
+    assert table.count("\n") == 3
+
+
+def test_floors_are_the_issue_floors() -> None:
+    assert bench.decode_floor(16, 4096) == 85.0 and bench.decode_floor(256, 16384) == 85.0
+    assert bench.decode_floor(1, 4096) == 60.0
+    assert bench.decode_floor(1, 512) is None and bench.decode_floor(64, 512) is None
+    assert bench.verdict(84.9, 85.0) == "BELOW FLOOR" and bench.verdict(85.0, 85.0) == "ok"
+    assert bench.verdict(1.3, 1.2, higher_is_better=False) == "BELOW FLOOR"
+    from iterserve.loadtests.engine_decode_bench import STEP_FLOOR_RATIO
+
+    assert STEP_FLOOR_RATIO == 1.2
 
 
 @pytest.mark.slow
@@ -43,7 +54,7 @@ def test_bench_correctness_table_on_cpu(cpu_bench: torch.Generator, monkeypatch:
     monkeypatch.setattr(bench, "CHECK_SEQ_LENS", (17, 100, 153, 40, 60))
     monkeypatch.setattr(bench, "CHECK_ROWS", 5)
     rows = bench.check_correctness(cpu_bench)
-    assert len(rows) == 11
+    assert len(rows) == 10
     assert [r for r in rows if r[2] != "ok"] == []
 
 

@@ -1,0 +1,126 @@
+"""The decoding requests of a simulated replica, advanced lazily (the fast path).
+
+A request that is running with exactly one uncomputed token is a decode: every step until
+it finishes computes one token and samples one. Nothing about that needs per-step work
+except three kinds of moments, which the cohort keeps in a heap keyed by step number:
+    ALLOC     the schedule() of step s takes a new block for it (its KV passes a block),
+    REGISTER  the update() of step s completes a block: it joins the prefix cache,
+    FINISH    the update() of step s samples its last token (max_tokens / max_model_len).
+Its `Request` fields (num_computed_tokens, output_token_ids, token_times) are brought up
+to date only at those moments and when someone needs them (`materialise`). The block
+manager is always exact: blocks are taken and registered at the step and in the order the
+per-step scheduler would (decodes in running order, which is admission order `seq`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.request import Request
+
+ALLOC, REGISTER, FINISH = 0, 1, 2
+SCHEDULE_PHASE, UPDATE_PHASE = 0, 1
+
+
+@dataclass(eq=False)
+class Decoder:
+    request: Request
+    seq: int  # admission order: the order of the scheduler's running list
+    join_step: int  # the last step whose update left it with one uncomputed token
+    computed0: int  # its num_computed_tokens then
+    outputs0: int  # its num_output_tokens then
+    finish_step: int
+    token: int  # what it samples at every position
+
+    def computed_after(self, step: int) -> int:
+        return self.computed0 + step - self.join_step
+
+
+class DecodeCohort:
+    def __init__(self, block_manager: BlockManager, max_model_len: int) -> None:
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.members: dict[str, Decoder] = {}
+        self._events: list[tuple[int, int, int, int, str]] = []  # step, phase, seq, kind, id
+        self.kv_base = 0  # sum of (computed0 - join_step): step s reads kv_base + n * s
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.members
+
+    def kv_tokens_read(self, step: int) -> int:
+        """KV tokens the decodes read in step `step` (each: its computed tokens + 1)."""
+        return self.kv_base + len(self.members) * step
+
+    # ------------------------------------------------------------------ membership
+    def join(self, request: Request, seq: int, step: int, token: int) -> None:
+        """After step `step`'s update left `request` with one uncomputed token."""
+        block_size = self.block_manager.block_size
+        c0 = request.num_computed_tokens
+        params = request.sampling_params
+        left = min(params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens)
+        member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token)
+        rid = request.request_id
+        self.members[rid] = member
+        self.kv_base += c0 - step
+        capacity = len(self.block_manager.block_tables[rid]) * block_size
+        heapq.heappush(self._events, (step + 1 + capacity - c0, SCHEDULE_PHASE, seq, ALLOC, rid))
+        heapq.heappush(self._events, (step + block_size - c0 % block_size, UPDATE_PHASE, seq,
+                                      REGISTER, rid))
+        heapq.heappush(self._events, (member.finish_step, UPDATE_PHASE, seq, FINISH, rid))
+
+    def leave(self, request_id: str, step: int) -> Request:
+        """Remove a member, its fields made current as of the end of step `step`."""
+        member = self.members.pop(request_id)
+        self.kv_base -= member.computed0 - member.join_step
+        self.materialise(member, step)
+        return member.request
+
+    def materialise(self, member: Decoder, step: int, step_ends: list[float] | None = None
+                    ) -> None:
+        """Bring the request's fields to the end of step `step` (token times from step_ends,
+        the replica's end time of every step, when given)."""
+        request = member.request
+        request.num_computed_tokens = member.computed_after(step)
+        want = member.outputs0 + step - member.join_step
+        have = request.num_output_tokens
+        if want > have:
+            request.output_token_ids.extend([member.token] * (want - have))
+        if step_ends is not None and want > 0:
+            if request.first_token_time is None:  # joined with its last prompt token left
+                request.first_token_time = step_ends[member.join_step]
+            have_times = len(request.token_times)
+            if want > have_times:
+                first = step - (want - have_times)  # steps first+1..step are missing
+                request.token_times.extend(step_ends[first:step])
+
+    def all_members(self) -> Iterator[Decoder]:
+        return iter(sorted(self.members.values(), key=lambda m: m.seq))
+
+    def clear(self) -> None:
+        self.members.clear()
+        self._events.clear()
+        self.kv_base = 0
+
+    # ---------------------------------------------------------------------- events
+    def due(self, step: int, phase: int) -> list[tuple[int, Decoder]]:
+        """Pop the (kind, member) events of this step and phase, in the scheduler's order.
+        Stale events (a member that left) are dropped; recurring ones are re-armed."""
+        out = []
+        events = self._events
+        block_size = self.block_manager.block_size
+        while events and events[0][0] == step and events[0][1] == phase:
+            _, _, seq, kind, rid = heapq.heappop(events)
+            member = self.members.get(rid)
+            if member is None or member.seq != seq:
+                continue
+            out.append((kind, member))
+            if kind != FINISH and step + block_size <= member.finish_step:
+                heapq.heappush(events, (step + block_size, phase, seq, kind, rid))
+        return out

@@ -1,0 +1,286 @@
+"""One simulated replica: the production Scheduler and BlockManager on a virtual clock.
+
+A replica is idle or inside one engine step. A step is the engine's `schedule() -> execute
+-> update()`, with `SimulatedRunner.batch_shape` and the calibrated `CostModel` deciding how
+long it takes and every sampled token being the request's `output_token_id`. The cluster
+calls `advance(now)` whenever something happens to the replica (a step ends, a request
+arrives, a stats poll); `wake_time` says when it must be called next.
+
+Fast path (config.fast_forward, for the fcfs / continuous / chunked-prefill scheduler).
+The decodes of a step need no per-request work except at block boundaries and at their
+last token (`cluster_sim_decodes.DecodeCohort`), so they are advanced lazily, and the
+production scheduler schedules only the rest: the running prefills and the admissions. It
+runs on the running list without the decodes and with the budget and the batch slots the
+decodes leave (max_num_batched_tokens - n, max_num_seqs - n), which is what its own loop
+leaves them after scheduling the n decodes first. Decodes' blocks are taken before, and
+registered / freed before the scheduler's update of the rest, in running order, as the
+per-step scheduler does. A step in which a preemption could happen (more blocks needed than
+free) runs the whole production scheduler instead, with every request brought up to date.
+So the results are identical to stepping everything (tests/unit/test_cluster_sim.py
+compares the JSON of both byte for byte).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from iterserve.autoscale.cluster_sim_decodes import (
+    ALLOC,
+    FINISH,
+    SCHEDULE_PHASE,
+    UPDATE_PHASE,
+    DecodeCohort,
+)
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.config import SchedulerConfig
+from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
+from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.scheduler import Scheduler
+from iterserve.replica.sim_runner import CostModel, SimulatedRunner
+
+
+def kv_blocks_for(config: ClusterSimConfig) -> int:
+    """KV blocks per replica: config.num_blocks, else the simulated GPU's memory budget
+    (the formula of `SimulatedRunner.num_kv_blocks` at gpu_memory_utilization 0.9)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    sim = config.sim
+    budget = sim.gpu_memory_bytes * 0.9 - sim.weights_bytes - sim.activation_reserve_bytes
+    blocks = int(budget // (sim.kv_bytes_per_token * config.block_size))
+    if blocks < 1:
+        raise ValueError("the simulated GPU has no memory left for the KV cache")
+    return blocks
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, config: ClusterSimConfig, now: float) -> None:
+        self.replica_id = replica_id
+        self.config = config
+        self.cost: CostModel = config.sim.cost
+        self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        self.now = now
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self._clock)
+        self.decodes = DecodeCohort(self.block_manager, config.max_model_len)
+        self.lazy = config.fast_forward and self.scheduler_config.scheduler_policy == "fcfs" \
+            and self.scheduler_config.batching == "continuous" \
+            and self.scheduler_config.enable_chunked_prefill
+        self.step_end: float | None = None  # end of the step in progress (None: idle)
+        self._step: SchedulerOutput | None = None  # what the production scheduler scheduled
+        self._step_is_full = True  # the step ran the whole scheduler (no lazy decodes)
+        self._step_ends: list[float] = []  # end time of every step so far
+        self._seq: dict[str, int] = {}  # running request -> admission order
+        self._next_seq = 0
+        self._reduced: dict[int, SchedulerConfig] = {}
+        self._admitted: list[Request] = []  # admitted by the last lazily scheduled step
+        self._prefilling: list[Request] = []  # running, not decodes (scheduler order)
+        self._output_token: dict[str, int] = {}
+        self.finished: list[Request] = []  # filled by advance(); the caller empties it
+
+    def _clock(self) -> float:
+        return self.now
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._step_ends)
+
+    @property
+    def wake_time(self) -> float | None:
+        """When advance() must next be called (None: idle until a request arrives)."""
+        return self.step_end
+
+    def load(self, now: float) -> ReplicaLoad:
+        """Its load as record_routing_stats reports it (blocks are always exact)."""
+        self.advance(now)
+        bm = self.block_manager
+        return ReplicaLoad(
+            kv_usage=bm.usage,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            step_token_rate=0.0,
+            timestamp=now,
+        )
+
+    def cached_prefix_tokens(self, token_ids: object) -> int:
+        """How many leading tokens of a prompt this replica's prefix cache holds now."""
+        probe = Request("probe", list(token_ids), SamplingParams(max_tokens=1), 0.0)
+        return len(self.block_manager.find_cached_prefix(probe)) * self.block_manager.block_size
+
+    # ----------------------------------------------------------------------- driving
+    def add(self, spec: SimRequest, now: float) -> Request:
+        """A request arrives (advance(now) first). Raises ValueError if it can never run."""
+        self.advance(now)
+        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+        request = Request(spec.request_id, list(spec.prompt_token_ids), params, now)
+        self.scheduler.add_request(request)
+        self._output_token[spec.request_id] = spec.output_token_id
+        if self.step_end is None:
+            self._start_step(now)
+        return request
+
+    def advance(self, now: float) -> None:
+        """Run every step that ends at or before now; finished requests go to .finished."""
+        while self.step_end is not None and self.step_end <= now:
+            end = self.step_end
+            self._end_step(end)
+            self._start_step(end)
+
+    # ------------------------------------------------------------------------ steps
+    def _start_step(self, now: float) -> None:
+        self.now = now
+        scheduler = self.scheduler
+        if not scheduler.has_unfinished_requests():
+            self.step_end = None
+            return
+        step = self.num_steps + 1
+        output = self._schedule_lazily(step) if self.lazy and len(self.decodes) else None
+        if output is None:
+            self._bring_decodes_up_to_date()
+            output = scheduler.schedule()
+            self._step_is_full = True
+            prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
+        else:
+            self._step_is_full = False
+            prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
+            n = len(self.decodes)
+            decode_seqs += n
+            kv += self.decodes.kv_tokens_read(step)
+        self._note_admissions(scheduler.running if self._step_is_full else self._admitted)
+        if self._step_is_full and output.is_empty:
+            self.step_end = None  # nothing can run (cannot happen after check_fits)
+            return
+        self._step = output
+        self.step_end = now + self.cost.step_time(prefill, decode_seqs, kv)
+
+    def _schedule_lazily(self, step: int) -> SchedulerOutput | None:
+        """schedule() of everything but the decodes, or None if this step must run whole."""
+        scheduler, decodes, bm = self.scheduler, self.decodes, self.block_manager
+        n = len(decodes)
+        config = self.scheduler_config
+        if n >= config.max_num_seqs or n >= config.max_num_batched_tokens:
+            return None
+        allocations = decodes.due(step, SCHEDULE_PHASE)
+        rest = self._prefilling  # the running requests that are not decodes, in order
+        if len(allocations) + self._blocks_for_prefills(rest, config.max_num_batched_tokens - n) \
+                > bm.num_free_blocks:
+            return None  # a preemption is possible: the whole scheduler decides
+        for _, member in allocations:
+            member.request.num_computed_tokens = member.computed_after(step - 1)
+            bm.allocate(member.request, 1)
+        if not rest and not scheduler.num_waiting:
+            self._admitted = []
+            return SchedulerOutput()  # schedule() would find nothing to do: skip the call
+        everyone, num_rest = scheduler.running, len(rest)
+        scheduler.running = rest
+        scheduler.config = self._reduced_config(n)
+        try:
+            output = scheduler.schedule()
+        finally:
+            scheduler.config = config
+            self._admitted = rest[num_rest:]
+            scheduler.running = everyone + self._admitted  # admissions join at the end
+        if output.preempted:
+            raise RuntimeError("a preemption in a lazily scheduled step: the block check "
+                               "before it is wrong")
+        return output
+
+    def _blocks_for_prefills(self, rest: list[Request], budget: int) -> int:
+        """Blocks the running prefills' next chunks take (the scheduler's own loop)."""
+        needed = 0
+        for request in rest:
+            if budget == 0:
+                break
+            remaining = request.num_uncomputed_tokens
+            num_new = remaining if remaining <= budget else budget
+            needed += self.block_manager.num_new_blocks_needed(request, num_new)
+            budget -= num_new
+        return needed
+
+    def _reduced_config(self, n: int) -> SchedulerConfig:
+        config = self._reduced.get(n)
+        if config is None:
+            base = self.scheduler_config
+            config = dataclasses.replace(base, max_num_seqs=base.max_num_seqs - n,
+                                         max_num_batched_tokens=base.max_num_batched_tokens - n)
+            self._reduced[n] = config
+        return config
+
+    def _note_admissions(self, candidates: list[Request]) -> None:
+        """Give newly running requests their admission order (the running list's order)."""
+        for request in candidates:
+            if request.request_id not in self._seq:
+                self._seq[request.request_id] = self._next_seq
+                self._next_seq += 1
+
+    def _bring_decodes_up_to_date(self) -> None:
+        step = self.num_steps
+        for member in self.decodes.all_members():
+            self.decodes.materialise(member, step, self._step_ends)
+        self.decodes.clear()
+
+    def _end_step(self, end: float) -> None:
+        self.now = end
+        self._step_ends.append(end)
+        step = self.num_steps
+        output = self._step
+        if not self._step_is_full:
+            self._update_decodes(step)
+        if output.scheduled:
+            runner_output = RunnerOutput()
+            tokens = runner_output.sampled_token_ids
+            for scheduled in output.scheduled:
+                if scheduled.samples:
+                    rid = scheduled.request.request_id
+                    tokens[rid] = self._output_token[rid]
+            for request in self.scheduler.update(output, runner_output):
+                if request.is_finished:
+                    self._forget(request)
+            for request in output.preempted:
+                self._seq.pop(request.request_id, None)
+        elif not self._step_is_full:
+            return  # only decodes ran: nothing can have joined them
+        if self.lazy:
+            running = self.scheduler.running
+            self._join_decodes(step, running if self._step_is_full
+                               else [s.request for s in output.scheduled])
+            members = self.decodes.members
+            self._prefilling = [r for r in (running if self._step_is_full else self._prefilling)
+                                if r.status == RequestStatus.RUNNING
+                                and r.request_id not in members]
+
+    def _update_decodes(self, step: int) -> None:
+        decodes, bm = self.decodes, self.block_manager
+        for kind, member in decodes.due(step, UPDATE_PHASE):
+            request = member.request
+            if kind == FINISH:
+                decodes.leave(request.request_id, step)
+                decodes.materialise(member, step, self._step_ends)
+                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                self._forget(request)
+            elif kind != ALLOC:  # REGISTER: the block it just filled joins the prefix cache
+                decodes.materialise(member, step)
+                bm.mark_computed(request)
+
+    def _join_decodes(self, step: int, candidates: list[Request]) -> None:
+        """Running requests the step left with one token to compute become decodes."""
+        decodes = self.decodes
+        for request in candidates:
+            rid = request.request_id
+            if rid not in decodes and request.status == RequestStatus.RUNNING \
+                    and request.num_uncomputed_tokens == 1 and request.num_computed_tokens > 0:
+                decodes.join(request, self._seq[rid], step, self._output_token[rid])
+
+    def _forget(self, request: Request) -> None:
+        self._output_token.pop(request.request_id, None)
+        self._seq.pop(request.request_id, None)
+        self.finished.append(request)

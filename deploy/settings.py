@@ -1,0 +1,210 @@
+"""A deployment's settings: what the user gave (`AppArgs`) and its one resolution (`AppSettings`).
+
+    AppArgs      validated input, from any entry: `iterserve serve` flags, `serve run` key=value
+                 args, a Serve YAML's `args:`, or a dict in Python
+    resolve_app  -> AppSettings: the engine config resolved (every "auto" concrete, model name
+                 from the model, replica devices from the cluster), the router and autoscaling
+                 configs derived from it, built once and passed down as they are
+
+Engine settings may be given flat (as `serve run` passes key=value strings) or under
+`engine_kwargs`; flat keys that are not AppArgs fields are engine kwargs, with vLLM names or
+TensorRT-LLM aliases (declared once, on EngineConfig's fields), coerced to the field types.
+Unknown keys and bad values are a ValueError at resolution, before anything is deployed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
+from iterserve.deploy.replica import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    replica_actor_options,
+    replica_engine_kwargs,
+)
+from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES
+from iterserve.replica.config import KWARG_ALIASES, CacheConfig, EngineConfig, SchedulerConfig
+from iterserve.replica.model_source import model_display_name
+from iterserve.replica.resolve import resolve_engine_config
+
+# Replica bounds are AutoscaleConfig's: one declaration, one rule.
+_MIN_REPLICAS = AutoscaleConfig.model_fields["min_replicas"]
+_MAX_REPLICAS = AutoscaleConfig.model_fields["max_replicas"]
+
+
+def _engine_field_types() -> dict[str, Any]:
+    hints: dict[str, Any] = {}
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        resolved = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in ("cache", "scheduler"):
+                hints[f.name] = resolved[f.name]
+    return hints
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """A `serve run key=value` string as the field's type (int, float, bool, optional)."""
+    if not isinstance(value, str):
+        return value
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) \
+        else (hint,)
+    if type(None) in options and value.strip().lower() in ("none", "null", ""):
+        return None
+    for option in options:
+        if option is bool:
+            lowered = value.strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        if option in (int, float):
+            try:
+                return option(value)
+            except ValueError as error:
+                raise ValueError(f"{name} must be {option.__name__}, got {value!r}") from error
+    return value
+
+
+def coerce_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine kwargs with string values parsed to the EngineConfig field types."""
+    types_of = _engine_field_types()
+    out = {}
+    for key, value in kwargs.items():
+        name = KWARG_ALIASES.get(key, key)
+        if name not in types_of:
+            raise ValueError(f"unknown engine argument {key!r}")
+        out[key] = _coerce(key, value, types_of[name])
+    return out
+
+
+class AppArgs(BaseModel):
+    """Arguments of the iterserve Serve application (CLI, `serve run`, YAML `args:`)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(
+        None, description="an HF checkpoint folder, a .gguf file, or iterserve-tiny (the tiny "
+        "random-weight test model); default: the built-in SmolLM2-135M-Instruct")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_replicas: int | str = Field(
+        1, description="LLMReplica count (one per GPU), or 'auto' (the KV autoscaler)")
+    autoscaling_config: dict[str, Any] | None = None
+    request_router_config: dict[str, Any] | None = None  # wins over `router`
+    router: Literal["kv-prefix", "kv", "pow2"] = Field(
+        "kv-prefix", description="KV-aware router with or without prefix affinity, or Ray's "
+        "default power-of-two")
+    min_replicas: int = _MIN_REPLICAS  # with num_replicas="auto"
+    max_replicas: int = _MAX_REPLICAS
+    max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica in-flight "
+                                      "bound")
+    num_gpus_per_replica: float | None = Field(
+        None, description="GPUs per LLMReplica (default: 1 when the cluster has GPUs, else 0)")
+    num_cpus_per_replica: float | None = Field(
+        None, description="CPUs per LLMReplica (default: 1 with a GPU, else 0.5)")
+    num_ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas")
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_key_file: str | None = Field(None, description="a file with one API key per line")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024,
+                                description="request body limit (413 beyond it)")
+    model_aliases: list[str] = Field(default_factory=list)
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, description="how long a "
+                                   "replica being removed waits for its streams")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_engine_kwargs(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        own = set(cls.model_fields)
+        data = dict(data)
+        engine = dict(data.pop("engine_kwargs", None) or {})
+        for key in [k for k in data if k not in own]:
+            engine[key] = data.pop(key)
+        _lift_model(data, engine)
+        data["engine_kwargs"] = coerce_engine_kwargs(engine)
+        if isinstance(data.get("api_keys"), str):
+            data["api_keys"] = [k for k in data["api_keys"].split(",") if k.strip()]
+        return data
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _replicas(cls, value: int | str) -> int | str:
+        if isinstance(value, str):
+            if value == "auto":
+                return value
+            if not value.isdigit():
+                raise ValueError(f"num_replicas must be an int or 'auto', got {value!r}")
+            value = int(value)
+        if value < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {value}")
+        return value
+
+    def engine_config(self) -> EngineConfig:
+        """Validates the engine settings now (raises ValueError), without loading a model."""
+        return EngineConfig.from_kwargs(model=self.model,
+                                        **replica_engine_kwargs(self.engine_kwargs))
+
+
+def _lift_model(data: dict[str, Any], engine: dict[str, Any]) -> None:
+    """engine_kwargs may name the model too (one dict for LLM() and the app); it moves up."""
+    if "model" not in engine:
+        return
+    model = engine.pop("model")
+    if data.get("model") not in (None, model):
+        raise ValueError(f"model is given twice: {data['model']!r} and {model!r} in engine_kwargs")
+    data["model"] = model
+
+
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """Everything a deployment needs, resolved once and passed down as is.
+
+    engine: the EngineConfig every replica runs (resolved for the replicas' device).
+    router: the KV-aware router's config (None: Ray's power-of-two, or the user's own
+    `request_router_config`). autoscale: the autoscaling policy's config (None: a fixed
+    `num_replicas`). replica_actor_options: Ray resources of one replica.
+    """
+
+    args: AppArgs
+    engine: EngineConfig
+    router: RouterConfig | None
+    autoscale: AutoscaleConfig | None
+    replica_actor_options: dict[str, float]
+
+
+def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> AppSettings:
+    """The one resolution point of a deployment's settings (raises ValueError)."""
+    if isinstance(args, AppSettings):
+        return args
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    actor_options = replica_actor_options(app_args.num_gpus_per_replica,
+                                          app_args.num_cpus_per_replica)
+    engine = resolve_engine_config(app_args.engine_config(),
+                                   cuda_available=actor_options["num_gpus"] > 0,
+                                   model_files_here=False)
+    model_name = engine.served_model_name or model_name_of(engine.model)
+    router = None
+    if app_args.request_router_config is None and app_args.router != "pow2":
+        router = RouterConfig(model_name=model_name,
+                              prefix_affinity=app_args.router == "kv-prefix",
+                              prefix_block_size=engine.cache.block_size)
+    autoscale = None
+    if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
+        autoscale = AutoscaleConfig(model_name=model_name, min_replicas=app_args.min_replicas,
+                                    max_replicas=app_args.max_replicas)
+    return AppSettings(app_args, engine, router, autoscale, actor_options)
+
+
+def model_name_of(model: str | None) -> str:
+    """The served name of a model the driver cannot read (its files live on the GPU nodes)."""
+    return model_display_name(Path(model)) if model else "iterserve"

@@ -1,0 +1,85 @@
+"""Speed floor of the cluster simulator: N replicas x D virtual seconds at a load fraction.
+
+    python -m iterserve.loadtests.cluster_sim_speed --replicas 64 --duration 600 --load 0.8
+
+Load is relative to the capacity of one simulated replica on the workload (requests/s it
+completes when saturated, measured first on one replica), times the replica count.
+Prints wall seconds, requests, engine steps and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Hashable, Sequence
+
+from iterserve.autoscale.cluster_sim import simulate
+from iterserve.autoscale.cluster_sim_policies import IterserveRouter
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig
+from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
+from iterserve.loadtests.cluster_workloads import make
+
+
+class RoundRobin:
+    """The cheapest router: isolates the simulator's own cost from the router's."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
+        self._next += 1
+        return ctx.replicas[self._next % len(ctx.replicas)].replica_id
+
+    def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None: ...
+    def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None: ...
+    def on_replicas_changed(self, replica_ids: Sequence[Hashable]) -> None: ...
+
+
+ROUTERS = {"iterserve": IterserveRouter, "round-robin": RoundRobin}
+
+
+def replica_capacity(workload: str, config: ClusterSimConfig, seed: int = 0,
+                     probe_rate: float = 40.0, probe_s: float = 60.0) -> float:
+    """Requests/s one replica completes when saturated by `workload`."""
+    result = simulate(make(workload, probe_rate, probe_s, seed), [IterserveRouter()], 1, config)
+    return result.num_finished / result.end_time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--workload", default="steady")
+    parser.add_argument("--routers", type=int, default=2)
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="requests/s per replica (default: measure it first)")
+    parser.add_argument("--no-fast-forward", action="store_true")
+    args = parser.parse_args(argv)
+    config = ClusterSimConfig(fast_forward=not args.no_fast_forward)
+    capacity = args.capacity or replica_capacity(args.workload, config)
+    rate = args.load * capacity * args.replicas
+    t0 = time.perf_counter()
+    workload = make(args.workload, rate, args.duration)
+    t1, c1 = time.perf_counter(), time.process_time()
+    result = simulate(workload, [ROUTERS[args.router]() for _ in range(args.routers)],
+                      args.replicas, config)
+    t2, c2 = time.perf_counter(), time.process_time()
+    print(json.dumps({"router": args.router, "replicas": args.replicas, "virtual_s": args.duration,
+                      "load": args.load, "capacity_req_s_per_replica": capacity,
+                      "rate_req_s": rate, "requests": len(workload),
+                      "workload_wall_s": t1 - t0, "simulate_wall_s": t2 - t1,
+                      "simulate_cpu_s": c2 - c1,
+                      **result.summary()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

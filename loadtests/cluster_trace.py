@@ -1,0 +1,134 @@
+"""Replayable request traces for the cluster simulator: JSONL (ours, Mooncake) and CSV (Azure).
+
+JSONL, one request per line (an optional first line {"format": "iterserve-trace",
+"hash_block_size": N} sets the block size of hash_ids; default 16):
+
+    {"arrival_time": 0.51, "input_tokens": 812, "output_tokens": 128,
+     "session_id": "s3", "hash_ids": [0, 1, 2, 7]}
+
+arrival_time is seconds from the start; session_id and hash_ids are optional. hash_ids name
+the prompt's leading blocks of hash_block_size tokens, as the Mooncake traces do: two
+requests whose hash_ids start alike share that prefix (and can hit each other's prefix
+cache); the tokens after the named blocks are the request's own. Mooncake's own fields are
+accepted too ("timestamp" in ms, "input_length", "output_length", "hash_ids"; pass
+hash_block_size=512 for its traces). CSV with a header: Azure LLM inference traces
+(TIMESTAMP, ContextTokens, GeneratedTokens; TIMESTAMP in seconds or ISO date-time), or our
+names (arrival_time, input_tokens, output_tokens[, session_id]).
+
+`write_trace` exports any workload (a generator's or a trace's) with hash_ids computed
+from its prompts' blocks, so a synthetic workload can be shared as a file.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from iterserve.autoscale.cluster_sim_types import SimRequest, SyntheticPrompt
+from iterserve.loadtests.cluster_workloads import unique_start
+
+DEFAULT_HASH_BLOCK_SIZE = 16
+FORMAT_TAG = "iterserve-trace"
+HASH_TOKEN_BASE = 1 << 30  # token ids of hashed blocks: below the requests' own (2^31+)
+
+
+def _field(row: dict[str, Any], *names: str) -> Any:  # noqa: ANN401
+    for name in names:
+        if name in row and row[name] not in (None, ""):
+            return row[name]
+    raise ValueError(f"trace row lacks {' / '.join(names)}: {row}")
+
+
+def _seconds(value: Any) -> tuple[float, bool]:  # noqa: ANN401
+    """(seconds, whether it was a date-time: an absolute time to shift to the start)."""
+    try:
+        return float(value), False
+    except ValueError:
+        return datetime.fromisoformat(str(value).strip()).timestamp(), True
+
+
+def _request(i: int, arrival: float, input_tokens: int, output_tokens: int,
+             session: str | None, hash_ids: Sequence[int], block: int) -> SimRequest:
+    named = min(len(hash_ids), input_tokens // block)
+    head: tuple[int, ...] = ()
+    for hid in hash_ids[:named]:
+        start = HASH_TOKEN_BASE + int(hid) * block
+        head += tuple(range(start, start + block))
+    prompt = SyntheticPrompt(head, unique_start(i), input_tokens - named * block)
+    return SimRequest(f"trace-{i}", arrival, prompt, max(1, output_tokens), session,
+                      output_token_id=1 + i % 30000)
+
+
+def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[SimRequest]:
+    """Requests of a JSONL or CSV trace. Arrival times are kept as written, except
+    absolute ones (Mooncake's ms timestamps, Azure's date-times): those start at 0."""
+    path = Path(path)
+    rows: list[dict[str, Any]] = []
+    block = hash_block_size or DEFAULT_HASH_BLOCK_SIZE
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    else:
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_no}: not JSON: {error}") from None
+            if row.get("format") == FORMAT_TAG:
+                block = hash_block_size or int(row.get("hash_block_size", block))
+                continue
+            rows.append(row)
+    parsed = []
+    absolute = False
+    for row in rows:
+        if "timestamp" in row and "arrival_time" not in row and "TIMESTAMP" not in row:
+            arrival = float(row["timestamp"]) / 1000.0  # Mooncake: milliseconds
+            absolute = True
+        else:
+            arrival, is_date = _seconds(_field(row, "arrival_time", "TIMESTAMP"))
+            absolute = absolute or is_date
+        parsed.append((arrival,
+                       int(_field(row, "input_tokens", "input_length", "ContextTokens")),
+                       int(_field(row, "output_tokens", "output_length", "GeneratedTokens")),
+                       row.get("session_id") or None, row.get("hash_ids") or []))
+    if not parsed:
+        raise ValueError(f"{path}: no requests")
+    t0 = min(p[0] for p in parsed) if absolute else 0.0
+    parsed.sort(key=lambda p: p[0])
+    return [_request(i, a - t0, n_in, n_out, s, h, block)
+            for i, (a, n_in, n_out, s, h) in enumerate(parsed)]
+
+
+def trace_rows(requests: Sequence[SimRequest], hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
+               ) -> list[dict[str, Any]]:
+    """Trace rows of a workload: hash ids numbered by first appearance of each
+    (previous block, block tokens) chain, as the Mooncake traces number theirs."""
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}
+    rows = []
+    for r in sorted(requests, key=lambda r: r.arrival_time):
+        tokens = r.prompt_token_ids
+        parent, hash_ids = -1, []
+        for b in range(len(tokens) // hash_block_size):
+            key = (parent, tuple(tokens[b * hash_block_size : (b + 1) * hash_block_size]))
+            parent = ids.setdefault(key, len(ids))
+            hash_ids.append(parent)
+        row: dict[str, Any] = {"arrival_time": round(r.arrival_time, 6),
+                               "input_tokens": len(tokens), "output_tokens": r.max_tokens}
+        if r.session_id is not None:
+            row["session_id"] = r.session_id
+        row["hash_ids"] = hash_ids
+        rows.append(row)
+    return rows
+
+
+def write_trace(requests: Sequence[SimRequest], path: str | Path,
+                hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> None:
+    lines = [json.dumps({"format": FORMAT_TAG, "hash_block_size": hash_block_size})]
+    lines += [json.dumps(row) for row in trace_rows(requests, hash_block_size)]
+    Path(path).write_text("\n".join(lines) + "\n")

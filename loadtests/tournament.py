@@ -1,0 +1,185 @@
+"""The routing and autoscaling tournament on the cluster simulator.
+
+    python -m iterserve.loadtests.tournament [--quick] [--jobs 2] [--only routers|autoscalers|
+        sensitivity] [--workloads ...] [--sizes ...] [--loads ...] [--routers ...]
+
+Routers: every workload at 8 and 32 replicas, multi-tenant and chat-summarise also at 64
+and 128; loads 50 / 80 / 95 % of capacity (`tournament_cells.probe_capacity`: what the
+cluster sustains with round-robin); per cell p50/p99 TTFT with bootstrap 95 % intervals,
+p99 ITL, throughput, goodput (TTFT <= 2 s, ITL p99 <= 100 ms) with its interval,
+preemptions, prefix-cache hit rate. Sensitivity: the 8-replica, 80 % cells again with every
+cost-model coefficient halved and doubled (all together, capacity re-probed). Autoscalers:
+the diurnal trace with its 3x spike (reached in 10 s): GPU-hours, TTFT-SLO attainment,
+replicas over time. Results merge into loadtests/results/tournament.json (cells keyed, so
+partial runs add up) and are rendered to tournament.md and tournament_*.png.
+
+--quick: 8 replicas, 60 virtual s, one workload (skewed-bursts) at one fixed rate, every
+router; the CI smoke test (tests/unit/test_tournament_quick.py) runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from iterserve.loadtests.cluster_workloads import WORKLOADS
+from iterserve.loadtests.sim_harness import RESULTS_DIR
+from iterserve.loadtests.tournament_cells import (
+    AUTOSCALERS,
+    ROUTERS,
+    probe_capacity,
+    run_cell,
+)
+
+SIZES = (8, 32)
+BIG_SIZES = (64, 128)
+BIG_WORKLOADS = ("multi-tenant", "chat-summarise")
+LOADS = (0.5, 0.8, 0.95)
+MIN_REQUESTS = 2000  # enough for a p99 with ~20 samples above it
+MIN_DURATION_S = {8: 60.0, 32: 30.0, 64: 20.0, 128: 15.0}
+SENSITIVITY = ({"*": 0.5}, {"*": 2.0})
+AUTOSCALE_DURATION_S = 360.0
+QUICK_RATE = 12.0
+
+
+def cell_key(cell: dict[str, Any]) -> str:
+    keys = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
+            "seed")
+    return json.dumps({k: cell.get(k) for k in keys}, sort_keys=True)
+
+
+def capacities(workloads: Sequence[str], cost_scale: dict[str, float] | None,
+               cache: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for name in workloads:
+        key = json.dumps([name, cost_scale], sort_keys=True)
+        if key not in cache:
+            t = time.time()
+            cache[key] = probe_capacity(name, cost_scale)
+            print(f"capacity {name} {cost_scale or ''}: {cache[key]:.2f} req/s per replica "
+                  f"({time.time() - t:.0f}s)", flush=True)
+        out[name] = cache[key]
+    return out
+
+
+def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence[float],
+                 routers: Sequence[str], caps: dict[str, float], seed: int,
+                 cost_scale: dict[str, float] | None = None, kind: str = "router",
+                 fixed_duration_s: float | None = None) -> list[dict[str, Any]]:
+    cells = []
+    for workload in workloads:
+        for n in sizes:
+            for load in loads:
+                rate = load * caps[workload] * n
+                duration = fixed_duration_s or max(MIN_DURATION_S.get(n, 15.0),
+                                                   MIN_REQUESTS / rate)
+                for router in routers:
+                    cells.append({"kind": kind, "workload": workload, "replicas": n,
+                                  "load": load, "rate": rate, "duration_s": duration,
+                                  "router": router, "seed": seed, "cost_scale": cost_scale})
+    return cells
+
+
+def autoscaler_cells(cap: float, seed: int, load: float) -> list[dict[str, Any]]:
+    """Diurnal at a mean rate that 8 replicas carry at `load`; the spike needs ~3x that."""
+    rate = load * cap * 8
+    peak_need = math.ceil(3 * rate / (0.8 * cap))
+    cells = []
+    for name in AUTOSCALERS:
+        cells.append({"kind": "autoscaler", "workload": "diurnal", "replicas": 8,
+                      "rate": rate, "duration_s": AUTOSCALE_DURATION_S, "router": "iterserve",
+                      "autoscaler": name, "min_replicas": 2, "max_replicas": 2 * peak_need,
+                      "seed": seed, "cost_scale": None, "load": None})
+    cells.append({**cells[0], "replicas": peak_need, "autoscaler": "fixed",
+                  "label": f"fixed-{peak_need}"})
+    cells[0]["label"] = "fixed-8"
+    return cells
+
+
+def run_all(cells: list[dict[str, Any]], jobs: int, store: dict[str, Any], out: Path) -> None:
+    todo = [c for c in cells if cell_key(c) not in store["cells"]]
+    print(f"{len(todo)} cells to run ({len(cells) - len(todo)} already in {out.name})",
+          flush=True)
+    t0 = time.time()
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(jobs) as pool:
+        for i, result in enumerate(pool.imap_unordered(run_cell, todo), 1):
+            store["cells"][cell_key(result)] = result
+            print(f"[{i}/{len(todo)} {time.time() - t0:6.0f}s] {result['kind']} "
+                  f"{result['workload']} n={result['replicas']} load={result['load']} "
+                  f"{result.get('autoscaler') or result['router']}: p99 TTFT "
+                  f"{result['ttft_p99_s'][0]:.3f}s goodput {result['goodput_rps'][0]:.1f}",
+                  flush=True)
+            out.write_text(json.dumps(store, indent=1, sort_keys=True))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("routers", "big", "sensitivity", "autoscalers"),
+                   action="append")
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
+    p.add_argument("--loads", nargs="*", type=float, default=list(LOADS))
+    p.add_argument("--routers", nargs="*", default=list(ROUTERS))
+    p.add_argument("--duration", type=float, default=None,
+                   help="virtual seconds per router cell (default: enough for "
+                   f"{MIN_REQUESTS} requests, at least {MIN_DURATION_S[8]:.0f} s at 8 replicas)")
+    p.add_argument("--big-loads", nargs="*", type=float, default=list(LOADS))
+    p.add_argument("--sensitivity-workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--autoscale-load", type=float, default=0.6,
+                   help="diurnal mean rate as a fraction of 8 replicas' capacity")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    from iterserve.loadtests.tournament_report import write_report
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "tournament_quick" if args.quick else "tournament"
+    path = args.out / f"{stem}.json"
+    store = json.loads(path.read_text()) if path.exists() else {}
+    store.setdefault("cells", {})
+    store.setdefault("capacity", {})
+    store["command"] = "python -m iterserve.loadtests.tournament " + " ".join(sys.argv[1:])
+    if args.quick:
+        cells = [{"kind": "router", "workload": "skewed-bursts", "replicas": 8, "load": None,
+                  "rate": QUICK_RATE, "duration_s": 60.0, "router": r, "seed": args.seed,
+                  "cost_scale": None} for r in args.routers]
+        run_all(cells, args.jobs, store, path)
+        write_report(store, args.out, stem)
+        return 0
+    parts = args.only or ["routers", "big", "sensitivity", "autoscalers"]
+    caps = capacities(args.workloads, None, store["capacity"])
+    cells: list[dict[str, Any]] = []
+    if "routers" in parts:
+        cells += router_cells(args.workloads, args.sizes, args.loads, args.routers, caps,
+                              args.seed, fixed_duration_s=args.duration)
+    if "big" in parts:
+        big = [w for w in BIG_WORKLOADS if w in args.workloads]
+        cells += router_cells(big, BIG_SIZES, args.big_loads, args.routers, caps, args.seed,
+                              fixed_duration_s=args.duration)
+    if "sensitivity" in parts:
+        for scale in SENSITIVITY:
+            names = args.sensitivity_workloads
+            scaled = capacities(names, scale, store["capacity"])
+            cells += router_cells(names, [8], [0.8], args.routers, scaled, args.seed,
+                                  scale, kind="sensitivity", fixed_duration_s=args.duration)
+    if "autoscalers" in parts:
+        cap = capacities(["diurnal"], None, store["capacity"])["diurnal"]
+        cells += autoscaler_cells(cap, args.seed, args.autoscale_load)
+    path.write_text(json.dumps(store, indent=1, sort_keys=True))
+    run_all(cells, args.jobs, store, path)
+    write_report(store, args.out, stem)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""One tournament cell: a workload, a cluster size, a load, a router (or an autoscaler).
+
+The contestants (fresh policy objects per run, one per ingress router), the capacity probe
+that turns "80 % load" into a request rate, and `run_cell`, which simulates one cell and
+summarises it with bootstrap intervals. Used by `tournament.py`; each function is
+picklable so cells run in worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from iterserve.autoscale.baselines_autoscalers import (
+    FixedReplicas,
+    IterserveAutoscaler,
+    RayAutoscalingConfig,
+    RayDefaultAutoscaler,
+    ThresholdAutoscaler,
+    ThresholdConfig,
+)
+from iterserve.autoscale.baselines_routers import (
+    LeastKVRouter,
+    PowerOfTwoRouter,
+    RandomRouter,
+    RoundRobinRouter,
+)
+from iterserve.autoscale.baselines_routers_cache import (
+    DynamoRouter,
+    LlmdRouter,
+    RayPrefixAffinityRouter,
+    SglangRouter,
+)
+from iterserve.autoscale.cluster_sim import simulate
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimResult
+from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.autoscale.iterserve_routing import IterserveRouter
+from iterserve.autoscale.routing_context import AutoscalingPolicy, RoutingPolicy
+from iterserve.loadtests.cluster_workloads import make
+from iterserve.loadtests.tournament_stats import bootstrap_mean_rate, bootstrap_percentile
+from iterserve.replica.sim_runner import CostModel, SimulatorConfig
+
+TTFT_SLO_S = 2.0
+ITL_SLO_S = 0.100
+NUM_INGRESS_ROUTERS = 2  # independent routers (one per ingress replica), sharing nothing
+CAPACITY_PROBE_REPLICAS = 8
+
+ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {
+    "random": RandomRouter,
+    "round-robin": RoundRobinRouter,
+    "pow2": PowerOfTwoRouter,
+    "least-kv": LeastKVRouter,
+    "llm-d": LlmdRouter,
+    "llm-d-precise": lambda: LlmdRouter(precise=True),
+    "dynamo": DynamoRouter,
+    "ray-prefix": RayPrefixAffinityRouter,
+    "sglang": SglangRouter,
+    "iterserve": IterserveRouter,
+    # the same router without the replicas' cache answers: what the Ray adapter runs today
+    "iterserve-nocache": lambda: IterserveRouter(name="iterserve-nocache",
+                                                 use_replica_cache=False),
+}
+
+
+def autoscaler_for(name: str, lo: int, hi: int, fixed: int) -> AutoscalingPolicy:
+    """The autoscaling contestants with bounds [lo, hi]; `fixed` for the static arm."""
+    if name == "fixed":
+        return FixedReplicas(fixed)
+    if name == "ray-default":
+        return RayDefaultAutoscaler(RayAutoscalingConfig(min_replicas=lo, max_replicas=hi))
+    if name == "keda-threshold":
+        return ThresholdAutoscaler(ThresholdConfig(min_replicas=lo, max_replicas=hi))
+    if name == "iterserve":
+        return IterserveAutoscaler(AutoscaleConfig(min_replicas=lo, max_replicas=hi))
+    raise ValueError(f"unknown autoscaler {name!r}")
+
+
+AUTOSCALERS = ("fixed", "ray-default", "keda-threshold", "iterserve")
+
+
+def sim_config(cost_scale: dict[str, float] | None = None, seed: int = 0) -> ClusterSimConfig:
+    """The default simulated cluster (Llama-3-8B on H100), coefficients optionally scaled:
+    {"a_s": 0.5} halves the fixed step cost, {"*": 2.0} doubles every coefficient."""
+    cost = CostModel()
+    for name, factor in (cost_scale or {}).items():
+        fields = [f.name for f in dataclasses.fields(CostModel)] if name == "*" else [name]
+        cost = dataclasses.replace(cost, **{f: getattr(cost, f) * factor for f in fields})
+    return ClusterSimConfig(sim=SimulatorConfig(cost=cost), seed=seed)
+
+
+def probe_capacity(workload: str, cost_scale: dict[str, float] | None = None,
+                   duration_s: float = 30.0, start_rate: float = 16.0) -> float:
+    """Requests per second per replica the cluster sustains with round-robin routing.
+
+    Offers rising rates to CAPACITY_PROBE_REPLICAS replicas until completions (counted
+    between 1/3 of the run and its end, past the warm-up) fall below 85 % of arrivals:
+    that completion rate, per replica, is the capacity. Round-robin, so that 'capacity'
+    does not depend on a contestant's cache luck.
+    """
+    config = sim_config(cost_scale)
+    rate = start_rate
+    while True:
+        requests = make(workload, rate, duration_s, seed=1)
+        result = simulate(requests, [RoundRobinRouter() for _ in range(NUM_INGRESS_ROUTERS)],
+                          CAPACITY_PROBE_REPLICAS, dataclasses.replace(
+                              config, max_virtual_s=duration_s))
+        lo = duration_s / 3
+        done = sum(1 for r in result.records if r.finish is not None and r.finish >= lo)
+        completion_rate = done / (duration_s - lo)
+        arrivals = sum(1 for r in requests if r.arrival_time >= lo) / (duration_s - lo)
+        if completion_rate < 0.85 * arrivals:
+            return completion_rate / CAPACITY_PROBE_REPLICAS
+        rate *= 2
+
+
+def summarise(result: SimResult, seed: int) -> dict[str, Any]:
+    """The cell's figures: p50/p99 TTFT with bootstrap 95 % intervals, p99 ITL,
+    throughput, goodput (requests with TTFT <= 2 s and their own p99 ITL <= 100 ms, per
+    second of the arrival window) with its interval, preemptions, prefix-cache hit rate,
+    GPU-hours, SLO attainment."""
+    records = result.records
+    ttfts = result.ttfts()
+    good = [r.done and r.ttft <= TTFT_SLO_S and r.itl_p99 <= ITL_SLO_S for r in records]
+    # the arrival window, the same for every contestant of a cell (the run's end is not)
+    span = max(max(r.arrival for r in records) - min(r.arrival for r in records), 1e-9)
+    met_ttft = sum(1 for r in records if r.ttft is not None and r.ttft <= TTFT_SLO_S)
+    return {
+        "requests": len(records),
+        "finished": result.num_finished,
+        "ttft_p50_s": bootstrap_percentile(ttfts, 50, seed).to_list(),
+        "ttft_p99_s": bootstrap_percentile(ttfts, 99, seed).to_list(),
+        "itl_p99_s": result.itl_percentile(99),
+        "throughput_tok_s": result.throughput(),
+        "goodput_rps": bootstrap_mean_rate(good, span, seed).to_list(),
+        "preemptions": sum(r.preemptions for r in records),
+        "prefix_hit_rate": result.prefix_hit_rate,
+        "gpu_hours": result.gpu_seconds / 3600.0,
+        "ttft_slo_attainment": met_ttft / len(records),
+        "end_time_s": result.end_time,
+    }
+
+
+def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """cell: workload, replicas, rate (requests/s), duration_s, router, seed, cost_scale;
+    optional autoscaler (name), min/max/fixed replicas. Returns cell + its summary."""
+    config = sim_config(cell.get("cost_scale"), cell["seed"])
+    requests = make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
+    routers = [ROUTERS[cell["router"]]() for _ in range(NUM_INGRESS_ROUTERS)]
+    autoscaler = None
+    if cell.get("autoscaler"):
+        autoscaler = autoscaler_for(cell["autoscaler"], cell["min_replicas"],
+                                    cell["max_replicas"], cell["replicas"])
+    result = simulate(requests, routers, cell["replicas"], config, autoscaler)
+    out = dict(cell)
+    out.update(summarise(result, cell["seed"]))
+    if autoscaler is not None:
+        out["replicas_over_time"] = [(t, run, start) for t, run, start, _ in
+                                     result.replicas_over_time]
+    return out

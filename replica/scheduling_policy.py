@@ -1,0 +1,118 @@
+"""Scheduling policies as objects: who runs first, who is preempted, who is admitted.
+
+The scheduler (`replica/scheduler.py`) owns the one rule (every request's computed tokens
+catch up with its tokens, within one token budget per step). A policy only answers three
+questions, each over plain values, chosen once from the config at construction:
+
+    order_running(running)           in which order running requests grow this step
+    choose_victim(candidates)        which running request to preempt (None: never preempt)
+    fits(request, num_new, hits, running, blocks)    whether a waiting request may be admitted
+
+    fcfs                 arrival order; when blocks run out, preempt the newest
+    priority             (priority, arrival) order; preempt the lowest priority, newest first
+    max_utilization      admit greedily like fcfs; preempt lowest priority, newest first
+    guaranteed_no_evict  admit only if prompt + max_tokens fit beside every running
+                         request's worst case; never preempt
+
+A new policy is one subclass registered in POLICIES. How batches are formed (continuous or
+static) is the other, independent strategy: `replica/batching_policy.py`.
+"""
+
+from __future__ import annotations
+
+from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.request import Request
+
+
+def decodes_first(running: list[Request]) -> list[Request]:
+    """Decodes before prefill chunks, each group in admission order, so long prompts never
+    stall decodes."""
+    decodes: list[Request] = []
+    prefills: list[Request] = []
+    for request in running:
+        (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
+    return decodes + prefills
+
+
+class SchedulingPolicy:
+    """fcfs: arrival order everywhere; the newest running request is preempted first."""
+
+    name = "fcfs"
+    waiting_by_priority = False  # the waiting queue's order: arrival, or (priority, arrival)
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def order_running(self, running: list[Request]) -> list[Request]:
+        return decodes_first(running)
+
+    def choose_victim(self, candidates: list[Request]) -> Request | None:
+        return max(candidates, key=_arrival, default=None)
+
+    def fits(self, request: Request, num_new: int, hits: list[int], running: list[Request],
+             blocks: BlockManager) -> bool:
+        return blocks.can_allocate(request, num_new, hits)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """priority: admit and grow the most important first; preempt the least important."""
+
+    name = "priority"
+    waiting_by_priority = True
+
+    def order_running(self, running: list[Request]) -> list[Request]:
+        # Decodes first, then the most important grow first, so the victims of any
+        # preemption later in the step are the least important.
+        return sorted(running, key=lambda r: (r.num_uncomputed_tokens != 1, r.priority,
+                                              r.arrival_time))
+
+    def choose_victim(self, candidates: list[Request]) -> Request | None:
+        return max(candidates, key=_priority_then_arrival, default=None)
+
+
+class MaxUtilizationPolicy(PriorityPolicy):
+    """max_utilization: admit in arrival order as fcfs does, preempt as priority does."""
+
+    name = "max_utilization"
+    waiting_by_priority = False
+
+
+class GuaranteedNoEvictPolicy(SchedulingPolicy):
+    """guaranteed_no_evict: admission reserves every request's worst case; never preempt."""
+
+    name = "guaranteed_no_evict"
+
+    def choose_victim(self, candidates: list[Request]) -> Request | None:
+        return None  # admission reserved the worst case, so running short is transient
+
+    def fits(self, request: Request, num_new: int, hits: list[int], running: list[Request],
+             blocks: BlockManager) -> bool:
+        reserved = sum(blocks.num_blocks_for(self._worst_case_tokens(r))
+                       - blocks.num_blocks_held(r.request_id) for r in running)
+        worst_new = self._worst_case_tokens(request) - len(hits) * blocks.block_size
+        return reserved + blocks.num_blocks_to_admit(request, worst_new, hits) <= blocks.num_free_blocks
+
+    def _worst_case_tokens(self, request: Request) -> int:
+        return min(request.max_total_tokens, self.max_model_len)
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    policy.name: policy
+    for policy in (SchedulingPolicy, PriorityPolicy, MaxUtilizationPolicy, GuaranteedNoEvictPolicy)
+}
+
+
+def make_policy(name: str, max_model_len: int) -> SchedulingPolicy:
+    try:
+        return POLICIES[name](max_model_len)
+    except KeyError:
+        raise ValueError(f"unknown scheduler_policy {name!r}; choose one of "
+                         f"{', '.join(POLICIES)}") from None
+
+
+def _arrival(request: Request) -> float:
+    return request.arrival_time
+
+
+def _priority_then_arrival(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
