@@ -55,10 +55,14 @@ def run(checkpoint: Path, prompts: list[list[int]], **engine_kwargs: object
     return [r.prompt_logprobs for r in results]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_match_hf(checkpoint: Path, prompts: list[list[int]],
-                                  hf_logprobs: list[torch.Tensor]) -> None:
-    # A 16-token budget splits every longer prompt into chunks, several per step.
-    ours = run(checkpoint, prompts, max_num_batched_tokens=16)
+                                  hf_logprobs: list[torch.Tensor],
+                                  async_scheduling: bool) -> None:
+    # A 16-token budget splits every longer prompt into chunks, several per step; with
+    # async scheduling, step N+1 is planned and launched before step N is recorded.
+    ours = run(checkpoint, prompts, max_num_batched_tokens=16,
+               async_scheduling=async_scheduling)
     for prompt, entries, reference in zip(prompts, ours, hf_logprobs, strict=True):
         assert len(entries) == len(prompt) and entries[0] is None
         for position, entry in enumerate(entries[1:], start=1):
