@@ -32,6 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "serve a model behind the OpenAI-compatible API on Ray Serve"),
     "make-model": ("iterserve.deploy.cli", "make_model",
                    "write a tiny random-weight checkpoint: iterserve make-model DIR --seed N"),
+    "export-tokenizer": ("iterserve.deploy.cli_export", "run",
+                         "write the served model's tokenizer as an HF folder: DIR [--model]"),
     "dashboards": ("iterserve.dashboards.cli", "main",
                    "Grafana dashboards: `generate` the JSON, `push` it with grafana-client"),
 }

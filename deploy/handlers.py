@@ -27,6 +27,9 @@ from iterserve.deploy.protocol import (
     check_prompt,
     completion_logprobs,
     completion_prompts,
+    echo_texts,
+    echoed_logprobs,
+    prompt_logprobs_body,
     sampling_params,
 )
 from iterserve.deploy.schemas import (
@@ -51,7 +54,7 @@ from iterserve.deploy.tool_calls import (
     finish_reason_with_tools,
     response_tool_calls,
 )
-from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.outputs import RequestOutput, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -181,8 +184,7 @@ async def create_completion(req: CompletionRequest, client: EngineClient, info: 
         check_prompt(ids, info)
         params.append(sampling_params(req, len(ids), info))
     job = Job(random_id("cmpl"), now_s(), info.model_name, prompts, params, req.n)
-    echo = [tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
-            for ids in prompts]
+    echo = echo_texts(req, prompts, tokenizer)
     stream = job.open(client, req.priority)
     first = await _first(stream)
     token_text = TokenText(tokenizer)
@@ -190,29 +192,58 @@ async def create_completion(req: CompletionRequest, client: EngineClient, info: 
         chunks = _completion_chunks(req, job, echo, token_text, _replay(first, stream))
         return _streaming_response(_sse_events(chunks, stream))
     states = {i: ChoiceState() for i in range(len(prompts) * req.n)}
-    usage = UsageCounter()
+    usage = UsageCounter(scoring_only=_scoring_only(req))
     async for p, out in _replay(first, stream):
         index = p * req.n + out.index
         states[index].add(out)
         usage.add(p, index, out)
     choices = []
     for index, state in states.items():
-        prefix = echo[index // req.n]
-        logprobs = (completion_logprobs(state.logprobs, token_text, len(prefix))
+        p = index // req.n
+        text, token_ids, items = _with_echo(req, job.prompts[p], echo[p], state.text,
+                                            state.token_ids, state.logprobs,
+                                            state.prompt_logprobs)
+        logprobs = (completion_logprobs(token_ids, _pad(items, len(token_ids)), token_text, 0)
                     if req.logprobs is not None else None)
-        choices.append(CompletionChoice(index=index, text=prefix + state.text,
-                                        logprobs=logprobs, finish_reason=state.finish_reason,
-                                        stop_reason=state.stop_reason))
+        prompt_logprobs = (prompt_logprobs_body(state.prompt_logprobs, token_text)
+                           if state.prompt_logprobs is not None else None)
+        choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                        finish_reason=state.finish_reason,
+                                        stop_reason=state.stop_reason,
+                                        prompt_logprobs=prompt_logprobs))
     body = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
                               choices=choices, usage=usage.usage())
     return JSONResponse(body.model_dump(exclude_none=False))
 
 
+def _scoring_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: return the scored prompt, drop the one token sampled."""
+    return req.echo and req.max_tokens == 0
+
+
+def _with_echo(req: CompletionRequest, prompt_ids: list[int], echo: str, text: str,
+               token_ids: list[int], items: list[TokenLogprobs],
+               scored_prompt: list[TokenLogprobs | None] | None
+               ) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+    """A choice's (first) text, tokens and logprob entries: with echo, the prompt's first."""
+    if _scoring_only(req):
+        text, token_ids, items = "", [], []
+    if not req.echo:
+        return text, token_ids, list(items)
+    return (echo + text, prompt_ids + token_ids,
+            echoed_logprobs(prompt_ids, scored_prompt) + list(items))
+
+
+def _pad(items: list[TokenLogprobs | None], length: int) -> list[TokenLogprobs | None]:
+    """Logprob entries for `length` tokens (a runner that reports none leaves them None)."""
+    return (items + [None] * length)[:length]
+
+
 async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
                              token_text: TokenText, stream: AsyncIterator[Indexed]
                              ) -> AsyncIterator[str]:
-    usage = UsageCounter()
-    offsets: dict[int, int] = {}
+    usage = UsageCounter(scoring_only=_scoring_only(req))
+    offsets: dict[int, int] = {}  # choice index -> text offset of its next token
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     def chunk(choice: CompletionChoice) -> str:
@@ -224,13 +255,16 @@ async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
     async for p, out in stream:
         index = p * req.n + out.index
         usage.add(p, index, out)
-        text = out.new_text
-        if index not in offsets:
-            text = echo[p] + text
-            offsets[index] = len(echo[p])
+        items: list[TokenLogprobs | None] = list(out.logprobs or [])
+        text, token_ids = out.new_text, out.new_token_ids
+        if index not in offsets:  # the first delta carries the echoed prompt, sent first
+            text, token_ids, items = _with_echo(req, job.prompts[p], echo[p], text, token_ids,
+                                                out.logprobs or [], out.prompt_logprobs)
+            offsets[index] = 0
         logprobs = None
-        if req.logprobs is not None and out.logprobs:
-            logprobs = completion_logprobs(out.logprobs, token_text, offsets[index])
+        if req.logprobs is not None and token_ids:
+            logprobs = completion_logprobs(token_ids, _pad(items, len(token_ids)), token_text,
+                                           offsets[index])
             offsets[index] += sum(len(t) for t in logprobs.tokens)
         if text or logprobs is not None or out.finished:
             yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -277,8 +311,11 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
             logprobs=chat_logprobs(s.logprobs, token_text, num_top) if req.logprobs else None,
             finish_reason=finish_reason_with_tools(s.finish_reason, parsed),
             stop_reason=s.stop_reason))
-    body = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
-                                  choices=choices, usage=usage.usage())
+    scored = states[0].prompt_logprobs
+    body = ChatCompletionResponse(
+        id=job.request_id, created=job.created, model=job.model, choices=choices,
+        usage=usage.usage(),
+        prompt_logprobs=prompt_logprobs_body(scored, token_text) if scored is not None else None)
     return JSONResponse(body.model_dump())
 
 

@@ -18,6 +18,9 @@ from iterserve.deploy.schemas import (
     ChatTokenLogprob,
     CompletionLogprobs,
     CompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -100,6 +103,19 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
     if all(isinstance(p, str) for p in prompt):
         return [tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompt]
     return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer
+               ) -> list[str]:
+    """The text `echo` returns per prompt, as vLLM does: the prompt as sent when it is text,
+    the decoded ids (special tokens included) when it is token ids."""
+    if not req.echo:
+        return [""] * len(prompts)
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if all(isinstance(p, str) for p in req.prompt):
+        return list(req.prompt)  # type: ignore[arg-type]
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
@@ -185,14 +201,21 @@ def sampling_params(
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         _check_logprobs(logprobs, info, "top_logprobs")
         constraints = output_constraints(req, info.vocab_size, forced_tool_spec(req))
+        prompt_logprobs = req.prompt_logprobs
     else:
         max_tokens = resolve_max_tokens(req.max_tokens, prompt_len, info)
         logprobs = req.logprobs
         _check_logprobs(logprobs, info, "logprobs")
         constraints = output_constraints(req, info.vocab_size)
+        # vLLM: echo with logprobs scores the prompt with the same k.
+        prompt_logprobs = (req.prompt_logprobs if req.prompt_logprobs is not None
+                           else (req.logprobs if req.echo else None))
+    _check_logprobs(prompt_logprobs, info, "prompt_logprobs")
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens}).",
                           param="min_tokens")
+    if max_tokens == 0:  # echo scoring only: the engine samples one token, never returned
+        max_tokens = 1
     try:
         return SamplingParams(
             n=req.n,
@@ -210,6 +233,7 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             **constraints.as_kwargs(),
@@ -236,18 +260,51 @@ class TokenText:
         return text
 
 
-def completion_logprobs(items: list[TokenLogprobs], token_text: TokenText,
-                        start_offset: int) -> CompletionLogprobs:
+def completion_logprobs(token_ids: list[int], items: list[TokenLogprobs | None],
+                        token_text: TokenText, start_offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy shape, as vLLM fills it: per token its text, its logprob and a
+    top_logprobs dict of the token itself then the top-k; an unscored token (the first
+    echoed prompt token) has None for both."""
     out = CompletionLogprobs()
     offset = start_offset
-    for item in items:
-        token = token_text(item.token_id)
+    for token_id, item in zip(token_ids, items, strict=True):
+        token = token_text(token_id)
         out.tokens.append(token)
-        out.token_logprobs.append(_finite(item.logprob))
         out.text_offset.append(offset)
         offset += len(token)
-        out.top_logprobs.append({token_text(t): _finite(lp) for t, lp in item.top} or None)
+        if item is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_finite(item.logprob))
+        top = {token: _finite(item.logprob)}
+        top.update((token_text(t), _finite(lp)) for t, lp in item.top)
+        out.top_logprobs.append(top)
     return out
+
+
+def echoed_logprobs(prompt_ids: list[int], scored: list[TokenLogprobs | None] | None
+                    ) -> list[TokenLogprobs | None]:
+    """The prompt's entries for an echo: one per prompt token (None where unscored)."""
+    entries = list(scored or [])
+    return entries + [None] * (len(prompt_ids) - len(entries))
+
+
+def prompt_logprobs_body(scored: list[TokenLogprobs | None], token_text: TokenText
+                         ) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per position."""
+    body: PromptLogprobs = []
+    for item in scored:
+        if item is None:
+            body.append(None)
+            continue
+        position = {item.token_id: PromptLogprob(logprob=_finite(item.logprob), rank=item.rank,
+                                                 decoded_token=token_text(item.token_id))}
+        for rank, (t, lp) in enumerate(item.top, start=1):
+            position.setdefault(t, PromptLogprob(logprob=_finite(lp), rank=rank,
+                                                 decoded_token=token_text(t)))
+        body.append(position)
+    return body
 
 
 def chat_logprobs(items: list[TokenLogprobs], token_text: TokenText,
@@ -275,6 +332,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_output_tokens: int = 0
@@ -285,6 +343,8 @@ class ChoiceState:
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -293,18 +353,30 @@ class ChoiceState:
 
 @dataclass
 class UsageCounter:
-    """prompt tokens once per prompt, completion tokens summed over choices."""
+    """prompt tokens once per prompt, completion tokens summed over choices.
+
+    cached_tokens counts each prompt's tokens served from the prefix cache for its first
+    choice (the one that computes the prompt; later choices of n > 1 reuse its blocks).
+    `scoring_only` (echo with max_tokens 0) reports no completion tokens: the token the
+    engine samples is never returned.
+    """
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
     completion_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
+    scoring_only: bool = False
 
     def add(self, prompt_index: int, choice_index: int, out: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = out.num_prompt_tokens
-        self.completion_tokens[choice_index] = max(
-            self.completion_tokens.get(choice_index, 0), out.num_output_tokens)
+        if out.index == 0:
+            self.cached_tokens[prompt_index] = out.num_cached_tokens
+        if not self.scoring_only:
+            self.completion_tokens[choice_index] = max(
+                self.completion_tokens.get(choice_index, 0), out.num_output_tokens)
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(self.completion_tokens.values())
+        details = PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+                         total_tokens=prompt + completion, prompt_tokens_details=details)

@@ -73,6 +73,7 @@ class _SamplingFields(_Body):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -139,10 +140,28 @@ class _SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(_Out):
+    """vLLM's `Logprob`: one token's entry in a `prompt_logprobs` position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first) or {token id: PromptLogprob},
+# the actual prompt token first, then the top-k.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class ErrorInfo(_Out):
@@ -163,7 +182,7 @@ PromptType = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)  # 0: score the prompt (with echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -181,8 +200,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of other than n is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (scoring the prompt)")
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         return self
@@ -201,6 +220,7 @@ class CompletionChoice(_Out):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: non-streaming only
 
 
 class CompletionResponse(_Out):
@@ -377,6 +397,7 @@ class ChatCompletionResponse(_Out):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: for the whole response
 
 
 class DeltaMessage(_Out):

@@ -74,9 +74,11 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding the request's leading full blocks of tokens.
 
-        At least one token is always left to compute, so that the request samples.
+        At least one token is always left to compute, so that the request samples. A request
+        asking for prompt logprobs takes no hits: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+        if (not self.enable_prefix_caching or request.num_computed_tokens > 0
+                or request.wants_prompt_logprobs):
             return []
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

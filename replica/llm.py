@@ -28,6 +28,8 @@ class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # With SamplingParams.prompt_logprobs: one entry per prompt position, the first None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -63,7 +65,10 @@ class LLM:
             order.append(request_id)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
-                _accumulate(results[output.request_id].outputs[output.index], output)
+                result = results[output.request_id]
+                _accumulate(result.outputs[output.index], output)
+                if output.prompt_logprobs is not None and result.prompt_logprobs is None:
+                    result.prompt_logprobs = output.prompt_logprobs
             if on_step is not None:
                 on_step(self.engine)
         return [results[request_id] for request_id in order]

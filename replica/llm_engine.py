@@ -116,8 +116,10 @@ class LLMEngine(EngineStatsReporting):
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        for name, num in (("logprobs", params.logprobs),
+                          ("prompt_logprobs", params.prompt_logprobs)):
+            if num is not None and num > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {num}")
         self.constrained.check(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
@@ -267,6 +269,7 @@ class LLMEngine(EngineStatsReporting):
                      runner_output: RunnerOutput) -> list[RequestOutput]:
         """Fill in a step's sampled tokens, stream them, and forget what finished. Under
         async scheduling this runs a step late: a request may have ended meanwhile."""
+        self._record_prompt_logprobs(runner_output)
         failed = [s.request for s in scheduler_output.scheduled
                   if s.request.request_id in runner_output.failed and not s.request.is_finished]
         outputs = [self._fail(r, runner_output.failed[r.request_id]) for r in failed]
@@ -309,6 +312,13 @@ class LLMEngine(EngineStatsReporting):
         for request in complete:
             if not request.is_finished:  # e.g. ignore_eos: the grammar has nothing left
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _record_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
+        """Keep each chunk's prompt logprobs on its request (before update can finish it)."""
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.record_prompt_logprobs(chunk)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run the batch; if a batched operation raises, run each request alone to find which
@@ -363,7 +373,10 @@ class LLMEngine(EngineStatsReporting):
         if request.is_finished and matched_stop is None:
             text += detokenizer.flush()
         logprobs = runner_output.logprobs.get(request.request_id)
-        return self._output(request, [token_id], text, [logprobs] if logprobs else None)
+        output = self._output(request, [token_id], text, [logprobs] if logprobs else None)
+        if request.wants_prompt_logprobs and request.num_output_tokens == 1:
+            output.prompt_logprobs = list(request.prompt_logprobs)
+        return output
 
     def _output(self, request: Request, token_ids: list[int], text: str,
                 logprobs: list | None) -> RequestOutput:

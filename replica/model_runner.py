@@ -21,6 +21,7 @@ from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
+from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from iterserve.replica.request import Request
 from iterserve.replica.runner_base import CompletedStep, StepHandle
 from iterserve.replica.sampler import Sampler, index_on_device
@@ -146,7 +147,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         output = RunnerOutput()
-        sampling = self._logits_to_sample(scheduler_output)
+        sampling = self._logits_to_sample(scheduler_output, output)
         if sampling is None:
             return output
         requests, logits = sampling
@@ -168,28 +169,41 @@ class ModelRunner:
         The sampled ids stay on the device for the next step's pending decode inputs, and are
         copied to pinned host memory behind an event for result(). On CPU the step simply
         runs here."""
-        sampling = self._logits_to_sample(scheduler_output)
+        scored = RunnerOutput()  # prompt logprobs, computed while launching
+        sampling = self._logits_to_sample(scheduler_output, scored)
         if sampling is None:
             self._remember_sampled([], None)
-            return CompletedStep(RunnerOutput())
+            return CompletedStep(scored)
         requests, logits = sampling
         token_ids, log_probs, logprob_rows, failed = self.sampler.choose_tokens(logits, requests)
         self._remember_sampled(requests, token_ids)
-        return PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
+        pending = PendingOutput(requests, token_ids, log_probs, logprob_rows, failed)
+        return ScoredStep(pending, scored) if scored.prompt_logprobs else pending
 
     def _logits_to_sample(
-        self, scheduler_output: SchedulerOutput,
+        self, scheduler_output: SchedulerOutput, scored: RunnerOutput,
     ) -> tuple[list[Request], torch.Tensor] | None:
-        """Run the forward pass; the requests that sample and their logits [S, V] fp32."""
+        """Run the forward pass; the requests that sample and their logits [S, V] fp32.
+        Prompt logprobs of the chunks that ask for them go into `scored`."""
         if scheduler_output.is_empty:
             return None
         prepared = prepare_inputs(scheduler_output, self.block_size)
         hidden = self._forward(prepared)  # [T, hidden]
+        self._score_prompt_logprobs(scheduler_output, prepared, hidden, scored)
         if not prepared.sample_rows:
             return None
         indices = self._to_device(prepared.logits_indices)
         logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
         return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
+
+    def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
+                               prepared: PreparedInputs, hidden: torch.Tensor,
+                               output: RunnerOutput) -> None:
+        """Prompt logprobs for this step's chunks of the requests that ask for them."""
+        jobs = plan_prompt_logprobs(scheduler_output.scheduled, prepared.query_start_loc)
+        if jobs:
+            output.prompt_logprobs = compute_prompt_logprobs(hidden, self.model.compute_logits,
+                                                             jobs)
 
     def _remember_sampled(self, requests: list[Request], token_ids: torch.Tensor | None) -> None:
         """Keep a launched step's sampled ids [S] on the device: the next step's decode
@@ -254,3 +268,16 @@ class ModelRunner:
         )
         positions = to_device(prepared.positions)
         return self.model(self._input_ids(prepared), positions, self.kv_caches, attn)
+
+
+class ScoredStep:
+    """A launched step plus the prompt logprobs computed while it was launched."""
+
+    def __init__(self, step: StepHandle, scored: RunnerOutput) -> None:
+        self._step = step
+        self._scored = scored
+
+    def result(self) -> RunnerOutput:
+        output = self._step.result()
+        output.prompt_logprobs = self._scored.prompt_logprobs
+        return output

@@ -85,6 +85,18 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are more likely (ties count as ahead)
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt log-probabilities computed in one step: positions first_position, ... in order.
+
+    Entry i scores prompt token first_position + i given the tokens before it.
+    """
+
+    first_position: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass
@@ -98,12 +110,15 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Requests with SamplingParams.prompt_logprobs whose prefill chunk ran this step.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> what went wrong
 
     def merge(self, other: RunnerOutput) -> None:
         """Add the results of a disjoint set of requests (a step run in parts)."""
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
         self.failed.update(other.failed)
 
 
@@ -114,6 +129,8 @@ class RequestOutput:
     `new_token_ids` / `new_text` hold only what is new since the previous output;
     `finish_reason` is "stop", "length", "abort" or "error" on the last output and None
     before; with "error", `error` says what failed (the caller raises it to its client).
+    `prompt_logprobs` (only with SamplingParams.prompt_logprobs) comes once, on the first
+    output with a token: one entry per prompt position, the first None.
     """
 
     request_id: str
@@ -126,6 +143,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from iterserve.replica.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # outputs imports this module
     from iterserve.replica.logit_controls import RequestConstraint
+    from iterserve.replica.outputs import PromptLogprobsChunk, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +65,13 @@ class Request:
     finished_time: float | None = None
     # Grammar matcher and logit controls, one per child; None costs the sampler nothing.
     constraint: RequestConstraint | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt position scored so far, the
+    # first (position 0, nothing before it) None. Kept across preemption.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.wants_prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,3 +123,22 @@ class Request:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - self.num_prompt_tokens]
+
+    # ------------------------------------------------------------------ prompt logprobs
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def num_prompt_logprobs_held(self) -> int:
+        """Prompt positions already scored; the next chunk starts scoring here."""
+        return len(self.prompt_logprobs)
+
+    def record_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Append a chunk's entries; positions already held (a recompute after preemption,
+        or a step scheduled before the previous one was recorded) are skipped."""
+        held = len(self.prompt_logprobs)
+        if chunk.first_position > held:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position "
+                               f"{chunk.first_position} but only {held} held")
+        self.prompt_logprobs.extend(chunk.entries[held - chunk.first_position:])

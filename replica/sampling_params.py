@@ -18,6 +18,11 @@ class SamplingParams:
 
     temperature 0 is greedy. `seed` makes one request's samples reproducible whatever its
     batch mates are. `n` > 1 runs n child requests that share the prompt's KV blocks.
+
+    `prompt_logprobs` (k >= 0) asks, for every prompt position after the first, for the
+    log-probability of the actual prompt token and the top-k alternatives (position 0 has
+    none). Every prompt position must then be computed, so such a request takes no
+    prefix-cache hits (its own blocks are still cached for others to hit).
     """
 
     n: int = 1
@@ -35,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token; None for none
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token; None for none
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -91,6 +97,8 @@ class SamplingParams:
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),

@@ -194,7 +194,7 @@ def test_logprobs(client: openai.OpenAI, model: str) -> None:
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)  # the token + top-3 (vLLM)
     assert "".join(lp.tokens) == out.choices[0].text
     chat = client.chat.completions.create(model=model, max_tokens=4, temperature=0,
                                           logprobs=True, top_logprobs=2,
@@ -202,6 +202,21 @@ def test_logprobs(client: openai.OpenAI, model: str) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_echo_scoring_and_cached_tokens(client: openai.OpenAI, model: str) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    out = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1,
+                                    max_tokens=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == prompt and out.usage.completion_tokens == 0
+    assert len(lp.tokens) == out.usage.prompt_tokens and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    warm = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 16
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=prompt, max_tokens=0)
 
 
 def test_tokenize_detokenize(base_url: str, auth: dict[str, str]) -> None:

@@ -13,6 +13,8 @@ from iterserve.deploy.protocol import (
     chat_logprobs,
     check_prompt,
     completion_logprobs,
+    echoed_logprobs,
+    prompt_logprobs_body,
     resolve_max_tokens,
     sampling_params,
 )
@@ -55,7 +57,8 @@ def test_completion_prompt_forms(prompt):
     {"prompt": "x", "stream_options": {"include_usage": True}},
     {"prompt": "x", "presence_penalty": 3},
     {"prompt": "x", "stop_token_ids": [-1]},
-    {"prompt": "x", "echo": True, "logprobs": 1},
+    {"prompt": "x", "prompt_logprobs": -1},
+    {"prompt": "x", "prompt_logprobs": 21},
     {"prompt": {"not": "a prompt"}},
 ])
 def test_completion_rejects(body):
@@ -159,10 +162,11 @@ def test_logprob_shapes():
     items = [TokenLogprobs(token_id=1, logprob=-0.5, top=[(1, -0.5), (2, -1.0)]),
              TokenLogprobs(token_id=3, logprob=float("-inf"), top=[])]
     text = TokenText(_Tok())
-    completion = completion_logprobs(items, text, start_offset=10)
+    completion = completion_logprobs([1, 3], items, text, start_offset=10)
     assert completion.tokens == ["<1>", "<3>"] and completion.text_offset == [10, 13]
     assert completion.token_logprobs == [-0.5, -9999.0]  # JSON has no -inf
-    assert completion.top_logprobs == [{"<1>": -0.5, "<2>": -1.0}, None]
+    # vLLM's dict: the token itself, then the top-k
+    assert completion.top_logprobs == [{"<1>": -0.5, "<2>": -1.0}, {"<3>": -9999.0}]
     chat = chat_logprobs(items, text, num_top=1)
     assert chat.content[0].token == "<1>" and len(chat.content[0].top_logprobs) == 1
     assert chat.content[0].bytes == list(b"<1>")
@@ -176,3 +180,46 @@ def test_response_ids_and_shapes():
     assert body["object"] == "text_completion"
     chunk = ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[])
     assert chunk.model_dump()["object"] == "chat.completion.chunk"
+
+
+def test_echo_logprobs_and_max_tokens_zero_rules():
+    assert CompletionRequest(prompt="x", echo=True, logprobs=1).echo
+    scoring = CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0)
+    params = sampling_params(scoring, 4, INFO)
+    # vLLM: echo scores the prompt with the same k; the engine samples one token, dropped.
+    assert params.prompt_logprobs == 1 and params.max_tokens == 1
+    with pytest.raises(ValidationError, match="max_tokens 0 is only allowed with echo"):
+        CompletionRequest(prompt="x", max_tokens=0)
+    explicit = CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=3)
+    assert sampling_params(explicit, 4, INFO).prompt_logprobs == 3
+    assert sampling_params(CompletionRequest(prompt="x", logprobs=2), 4, INFO
+                           ).prompt_logprobs is None
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2)
+    assert sampling_params(chat, 4, INFO).prompt_logprobs == 2
+    with pytest.raises(OpenAIHTTPError) as error:  # above the engine's max_logprobs (5)
+        sampling_params(CompletionRequest(prompt="x", prompt_logprobs=6), 4, INFO)
+    assert error.value.status_code == 400
+
+
+def test_prompt_logprobs_body_is_vllm_shaped():
+    scored = [None, TokenLogprobs(token_id=7, logprob=-2.0, top=[(3, -0.1), (7, -2.0)], rank=2)]
+    body = prompt_logprobs_body(scored, TokenText(_Tok()))
+    assert body[0] is None
+    assert list(body[1]) == [7, 3]  # the prompt token first, then the top-k
+    assert body[1][7].model_dump() == {"logprob": -2.0, "rank": 2, "decoded_token": "<7>"}
+    assert body[1][3].rank == 1
+    echoed = completion_logprobs([5, 7], echoed_logprobs([5, 7], scored), TokenText(_Tok()), 0)
+    assert echoed.token_logprobs == [None, -2.0] and echoed.top_logprobs[0] is None
+    assert echoed.tokens == ["<5>", "<7>"] and echoed.text_offset == [0, 3]
+
+
+def test_usage_reports_cached_prompt_tokens_once_per_prompt():
+    usage = UsageCounter()
+    for prompt, index, cached in ((0, 0, 32), (0, 1, 48), (1, 0, 16)):
+        out = _out(index, [1], "a")
+        out.num_cached_tokens = cached
+        usage.add(prompt, prompt * 2 + index, out)
+    assert usage.usage().prompt_tokens_details.cached_tokens == 48  # 32 + 16: first choices
+    scoring = UsageCounter(scoring_only=True)
+    scoring.add(0, 0, _out(0, [1], "a"))
+    assert scoring.usage().completion_tokens == 0
