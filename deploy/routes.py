@@ -29,9 +29,8 @@ from iterserve.deploy.errors import (
 )
 from iterserve.deploy.handlers import create_chat_completion, create_completion
 from iterserve.deploy.protocol import ModelInfo, chat_prompt
-from iterserve.deploy.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from iterserve.deploy.schemas import ChatCompletionRequest, CompletionRequest
+from iterserve.deploy.schemas_tokens import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,

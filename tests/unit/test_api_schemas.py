@@ -24,11 +24,10 @@ from iterserve.deploy.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     ErrorResponse,
-    TokenizeRequest,
     random_id,
 )
+from iterserve.deploy.schemas_tokens import DetokenizeRequest, TokenizeRequest
 from iterserve.replica.outputs import RequestOutput, TokenLogprobs
 
 INFO = ModelInfo(model_name="m", model_path=None, max_model_len=100, max_logprobs=5,
