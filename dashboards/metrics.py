@@ -315,8 +315,8 @@ class PrometheusStatLogger:
         mark_this_process_dead()
 
 
-class RouterMetrics:
-    """For the request router: one counter increment per routing decision."""
+class _ControlPlaneMetrics:
+    """The router's and the autoscaler's metrics: a sink and the served model's label."""
 
     def __init__(
         self,
@@ -329,24 +329,18 @@ class RouterMetrics:
         self._sink = get_sink(prefix, registry, backend)
         self._model_name = model_name
 
+
+class RouterMetrics(_ControlPlaneMetrics):
+    """For the request router: one counter increment per routing decision."""
+
     def record_decision(self, replica_id: str) -> None:
         labels = {LABEL_MODEL: self._model_name, LABEL_REPLICA: str(replica_id)}
         self._sink.counter_inc(ROUTER_DECISIONS, 1.0, labels)
 
 
-class AutoscalerMetrics:
+class AutoscalerMetrics(_ControlPlaneMetrics):
     """For the autoscaling policy: the replica count it asked for, each time it decides."""
 
-    def __init__(
-        self,
-        model_name: str,
-        registry: CollectorRegistry | None = None,
-        *,
-        backend: str | None = None,
-        prefix: str = METRIC_PREFIX,
-    ) -> None:
-        self._sink = get_sink(prefix, registry, backend)
-        self._labels = {LABEL_MODEL: model_name}
-
     def set_target_replicas(self, target_replicas: float) -> None:
-        self._sink.gauge_set(AUTOSCALER_TARGET_REPLICAS, float(target_replicas), self._labels)
+        self._sink.gauge_set(AUTOSCALER_TARGET_REPLICAS, float(target_replicas),
+                             {LABEL_MODEL: self._model_name})

@@ -151,33 +151,43 @@ def metrics_text(registry: CollectorRegistry | None = None,
     return prometheus_client.generate_latest(registry or prometheus_client.REGISTRY)
 
 
-class PrometheusClientSink:
-    """prometheus_client instruments, created on first use and shared per registry."""
+class _InstrumentCache:
+    """One instrument per metric, created on first use (`_create`) and kept."""
 
-    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
-        self._registry = registry
+    def __init__(self, prefix: str) -> None:
         self._prefix = prefix
         self._instruments: dict[str, Any] = {}
 
     def _instrument(self, spec: MetricSpec) -> Any:
         instrument = self._instruments.get(spec.key)
-        if instrument is not None:
-            return instrument
+        if instrument is None:
+            instrument = self._instruments[spec.key] = self._create(spec)
+        return instrument
+
+    def _create(self, spec: MetricSpec) -> Any:
+        raise NotImplementedError
+
+
+class PrometheusClientSink(_InstrumentCache):
+    """prometheus_client instruments, created on first use and shared per registry."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        super().__init__(prefix)
+        self._registry = registry
+
+    def _create(self, spec: MetricSpec) -> Any:
         name = spec.name(self._prefix)
         common: dict[str, Any] = {"labelnames": spec.label_names(self._prefix),
                                   "registry": self._registry}
         if spec.kind == "counter":
-            instrument = prometheus_client.Counter(name, spec.documentation, **common)
-        elif spec.kind == "gauge":
-            instrument = prometheus_client.Gauge(
+            return prometheus_client.Counter(name, spec.documentation, **common)
+        if spec.kind == "gauge":
+            return prometheus_client.Gauge(
                 name, spec.documentation, multiprocess_mode=spec.multiprocess_mode, **common
             )
-        else:
-            instrument = prometheus_client.Histogram(
-                name, spec.documentation, buckets=spec.buckets, **common
-            )
-        self._instruments[spec.key] = instrument
-        return instrument
+        return prometheus_client.Histogram(
+            name, spec.documentation, buckets=spec.buckets, **common
+        )
 
     def _child(self, spec: MetricSpec, labels: dict[str, str]) -> Any:
         return self._instrument(spec).labels(**spec.select_labels(self._prefix, labels))
@@ -192,32 +202,22 @@ class PrometheusClientSink:
         self._child(spec, labels).observe(value)
 
 
-class RayMetricsSink:
+class RayMetricsSink(_InstrumentCache):
     """`ray.util.metrics` instruments (exported by each node's Ray metrics agent)."""
 
-    def __init__(self, prefix: str) -> None:
-        self._prefix = prefix
-        self._instruments: dict[str, Any] = {}
-
-    def _instrument(self, spec: MetricSpec) -> Any:
-        instrument = self._instruments.get(spec.key)
-        if instrument is not None:
-            return instrument
+    def _create(self, spec: MetricSpec) -> Any:
         from ray.util import metrics as ray_metrics
 
         # Ray 2.60 warns on ':' and will reject it; the scrape config restores the prefix.
         name = spec.name(self._prefix).replace(":", "_")
         tag_keys = spec.label_names(self._prefix)
         if spec.kind == "counter":
-            instrument = ray_metrics.Counter(name, spec.documentation, tag_keys=tag_keys)
-        elif spec.kind == "gauge":
-            instrument = ray_metrics.Gauge(name, spec.documentation, tag_keys=tag_keys)
-        else:
-            instrument = ray_metrics.Histogram(
-                name, spec.documentation, boundaries=list(spec.buckets), tag_keys=tag_keys
-            )
-        self._instruments[spec.key] = instrument
-        return instrument
+            return ray_metrics.Counter(name, spec.documentation, tag_keys=tag_keys)
+        if spec.kind == "gauge":
+            return ray_metrics.Gauge(name, spec.documentation, tag_keys=tag_keys)
+        return ray_metrics.Histogram(
+            name, spec.documentation, boundaries=list(spec.buckets), tag_keys=tag_keys
+        )
 
     def counter_inc(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
         if value > 0:  # Ray counters reject 0 increments
