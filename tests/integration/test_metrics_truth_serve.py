@@ -110,6 +110,8 @@ def _query(prometheus_url: str, expr: str) -> list[dict[str, Any]]:
         response = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=10)
     except httpx.HTTPError:
         return []
+    if response.status_code != 200:  # 503 "Service Unavailable" while Prometheus starts
+        return []
     return response.json().get("data", {}).get("result", [])
 
 
@@ -139,9 +141,12 @@ class EnginePoller:
         self._thread.join(timeout=30)
 
     def range_before(self, replica: str, at: float, column: int) -> tuple[float, float] | None:
+        """What the engine reported around a scrape at `at`: None when the poller has fewer
+        than two answers there (on a loaded box the HTTP poll is sparse, and one answer does
+        not bound a value that changes every 20 ms step)."""
         values = [row[column] for row in self.rows if row[1] == replica
                   and at - STATS_PERIOD_S - POLL_SLACK_S <= row[0] <= at + POLL_SLACK_S]
-        return (min(values), max(values)) if values else None
+        return (min(values), max(values)) if len(values) >= 2 else None
 
 
 async def _steady_load(url: str, seconds: float) -> int:
