@@ -141,11 +141,13 @@ class EnginePoller:
         self._thread.join(timeout=30)
 
     def range_before(self, replica: str, at: float, column: int) -> tuple[float, float] | None:
-        """What the engine reported around a scrape at `at`: None when the poller has fewer
-        than two answers there (on a loaded box the HTTP poll is sparse, and one answer does
-        not bound a value that changes every 20 ms step)."""
+        """What the engine reported within one stats period (plus the poll's slack) around a
+        scrape at `at`: None when the poller has fewer than two answers there (on a loaded
+        box the HTTP poll is sparse, and one answer does not bound a value that changes every
+        20 ms step)."""
         values = [row[column] for row in self.rows if row[1] == replica
-                  and at - STATS_PERIOD_S - POLL_SLACK_S <= row[0] <= at + POLL_SLACK_S]
+                  and at - STATS_PERIOD_S - POLL_SLACK_S <= row[0]
+                  <= at + STATS_PERIOD_S + POLL_SLACK_S]
         return (min(values), max(values)) if len(values) >= 2 else None
 
 
