@@ -5,7 +5,7 @@ replicas (``--metrics-prefix vllm:``, vLLM's names).
 
 * Under steady streaming load, every Prometheus sample of running / waiting / KV usage lies
   within the range the engines themselves reported (GET /debug/replicas, polled meanwhile)
-  during the stats period before its scrape.
+  within a stats period of its scrape, widened by the largest move between two polls.
 * After a disconnect storm (96 streams, max_tokens 400, each read 2-6 chunks then hung up) and
   after load stops, GET /metrics agrees with /debug/replicas within two stats periods, and
   request_success_total sums to the requests sent, by reason (abort: the storm; length: the
@@ -17,6 +17,7 @@ Needs the prometheus binary (bash dashboards/install_prometheus.sh). Run under t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import subprocess
@@ -141,14 +142,18 @@ class EnginePoller:
         self._thread.join(timeout=30)
 
     def range_before(self, replica: str, at: float, column: int) -> tuple[float, float] | None:
-        """What the engine reported within one stats period (plus the poll's slack) around a
-        scrape at `at`: None when the poller has fewer than two answers there (on a loaded
-        box the HTTP poll is sparse, and one answer does not bound a value that changes every
-        20 ms step)."""
+        """What the engine can have reported within one stats period (plus the poll's slack)
+        around a scrape at `at`: the range of the polled answers there, widened by the largest
+        move between two consecutive answers (a value that changes every 20 ms step can peak
+        between two polls, and on a loaded box the HTTP poll is sparse). None when the poller
+        has fewer than two answers there: one answer bounds nothing."""
         values = [row[column] for row in self.rows if row[1] == replica
                   and at - STATS_PERIOD_S - POLL_SLACK_S <= row[0]
                   <= at + STATS_PERIOD_S + POLL_SLACK_S]
-        return (min(values), max(values)) if len(values) >= 2 else None
+        if len(values) < 2:
+            return None
+        between_polls = max(abs(b - a) for a, b in itertools.pairwise(values))
+        return min(values) - between_polls, max(values) + between_polls
 
 
 async def _steady_load(url: str, seconds: float) -> int:

@@ -90,10 +90,13 @@ def _query(prometheus_url: str, expr: str) -> dict:
 
 def _up(prometheus_url: str) -> bool:
     try:
-        result = _query(prometheus_url, 'up{job="iterserve"} == 1')
+        response = httpx.get(f"{prometheus_url}/api/v1/query",
+                             params={"query": 'up{job="iterserve"} == 1'}, timeout=10)
     except httpx.HTTPError:
         return False
-    return bool(result.get("data", {}).get("result"))
+    if response.status_code != 200:  # a plain-text 503 "Service Unavailable" while it starts
+        return False
+    return bool(response.json().get("data", {}).get("result"))
 
 
 def _generated_tokens(prometheus_url: str) -> float:
@@ -137,8 +140,21 @@ def test_every_panel_query_runs_on_prometheus(server: tuple[str, str], prometheu
 
 def test_live_exposition_passes_promtool_but_for_the_reserved_colon(
         server: tuple[str, str]) -> None:
-    text = httpx.get(f"{server[0]}/metrics", timeout=10).text
-    assert metrics.metric_name(metrics.TIME_TO_FIRST_TOKEN, "_bucket") in text
+    # A labelled histogram has no series until its first observation: serve one request
+    # here so the test does not depend on another test's load having run first.
+    url, model = server
+    served = httpx.post(f"{url}/v1/completions", timeout=120,
+                        json={"model": model, "prompt": "hello", "max_tokens": 4})
+    assert served.status_code == 200, served.text
+    bucket = metrics.metric_name(metrics.TIME_TO_FIRST_TOKEN, "_bucket")
+    # The replica publishes its metrics on its stats tick, so the observation may take a tick
+    # to appear.
+    deadline = time.monotonic() + 10
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    while bucket not in text and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert bucket in text
     linted = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
                             text=True, timeout=30)
     findings = [line for line in (linted.stdout + linted.stderr).splitlines() if line.strip()]
