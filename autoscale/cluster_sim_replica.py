@@ -55,6 +55,20 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
     return blocks
 
 
+class VirtualClock:
+    """A replica's virtual time, which its scheduler reads. Not a bound method of the
+    replica: that would make replica <-> scheduler a reference cycle, which only the cyclic
+    collector frees (the simulator pauses it: see cluster_sim._cyclic_gc_paused)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class SimReplica:
     def __init__(self, replica_id: str, config: ClusterSimConfig, now: float) -> None:
         self.replica_id = replica_id
@@ -67,8 +81,8 @@ class SimReplica:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
         )
-        self.now = now
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self._clock)
+        self.clock = VirtualClock(now)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self.clock)
         self.decodes = DecodeCohort(self.block_manager, config.max_model_len)
         self.lazy = config.fast_forward and self.scheduler_config.scheduler_policy == "fcfs" \
             and self.scheduler_config.batching == "continuous" \
@@ -85,8 +99,9 @@ class SimReplica:
         self._output_token: dict[str, int] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
 
-    def _clock(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     @property
     def num_steps(self) -> int:
@@ -137,7 +152,7 @@ class SimReplica:
 
     # ------------------------------------------------------------------------ steps
     def _start_step(self, now: float) -> None:
-        self.now = now
+        self.clock.now = now
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests():
             self.step_end = None
@@ -229,7 +244,7 @@ class SimReplica:
         self.decodes.clear()
 
     def _end_step(self, end: float) -> None:
-        self.now = end
+        self.clock.now = end
         self._step_ends.append(end)
         step = self.num_steps
         output = self._step
