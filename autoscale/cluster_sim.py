@@ -43,6 +43,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_replica import SimReplica
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
@@ -150,6 +151,7 @@ class ClusterSim:
             raise ValueError("request ids must be unique")
         self.specs = {s.request_id: s for s in self.workload}
         self.slots: list[ReplicaSlot] = []
+        self.prompt_keys = PromptBlockKeys(config.block_size)
         self.published: dict[str, ReplicaLoad] = {}
         self.itl_counts: dict[float, int] = {}
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
@@ -232,7 +234,7 @@ class ClusterSim:
         if slot.state != STARTING:
             return  # cancelled while starting
         slot.state = RUNNING
-        slot.replica = SimReplica(slot.replica_id, self.config, self.now)
+        slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)
         self._push(self.now + phase, POLL, slot)
         if self.autoscaler is not None:

@@ -23,6 +23,7 @@ compares the JSON of both byte for byte).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import (
     ALLOC,
@@ -31,6 +32,7 @@ from iterserve.autoscale.cluster_sim_decodes import (
     UPDATE_PHASE,
     DecodeCohort,
 )
+from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager
@@ -70,12 +72,15 @@ class VirtualClock:
 
 
 class SimReplica:
-    def __init__(self, replica_id: str, config: ClusterSimConfig, now: float) -> None:
+    def __init__(self, replica_id: str, config: ClusterSimConfig, now: float,
+                 prompt_keys: PromptBlockKeys | None = None) -> None:
+        """prompt_keys: shared by the replicas of one cluster (same block size)."""
         self.replica_id = replica_id
         self.config = config
         self.cost: CostModel = config.sim.cost
         self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
                                           config.enable_prefix_caching)
+        self.prompt_keys = prompt_keys or PromptBlockKeys(config.block_size)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -126,10 +131,13 @@ class SimReplica:
             timestamp=now,
         )
 
-    def cached_prefix_tokens(self, token_ids: object) -> int:
-        """How many leading tokens of a prompt this replica's prefix cache holds now."""
-        probe = Request("probe", list(token_ids), SamplingParams(max_tokens=1), 0.0)
-        return len(self.block_manager.find_cached_prefix(probe)) * self.block_manager.block_size
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of a prompt this replica's prefix cache holds now
+        (what find_cached_prefix finds for it)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return 0
+        return self.prompt_keys.num_cached_blocks(token_ids, bm.cached_blocks) * bm.block_size
 
     # ----------------------------------------------------------------------- driving
     def add(self, spec: SimRequest, now: float) -> Request:
