@@ -156,8 +156,13 @@ def _committed_kv(correction: Correction, load: ReplicaLoad, config: RouterConfi
 
 def request_kv_share(request_tokens: int, load: ReplicaLoad | None, config: RouterConfig
                      ) -> float:
-    """The KV fraction of `load`'s replica that a request of request_tokens would take."""
-    return _kv_of(Correction(1, max(0, request_tokens)), load, config)
+    """The KV fraction of `load`'s replica that a request of request_tokens would take
+    (`_kv_of` of a one-request correction, without building one: it runs per replica per
+    request)."""
+    kv_tokens = 0 if load is None else load.num_total_blocks * config.prefix_block_size
+    if request_tokens > 0 and kv_tokens > 0:
+        return request_tokens / kv_tokens
+    return config.inflight_kv_per_request * 1
 
 
 def _hot(eff_waiting: int, eff_kv: float, max_waiting: int | None, config: RouterConfig) -> bool:
@@ -327,6 +332,9 @@ class InFlightTracker(Generic[R]):
         # Per replica: the latest routing time, or None once times went backwards (a clock
         # step): then the unseen requests are no longer a tail and every one is read.
         self._last_at: dict[R, float | None] = {}
+        # Per replica: (the stats timestamp, the Correction given for it), dropped when its
+        # requests change: most replicas change neither between two requests.
+        self._given: dict[R, tuple[float | None, Correction]] = {}
 
     def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0,
                prefill_tokens: int = 0) -> None:
@@ -336,6 +344,7 @@ class InFlightTracker(Generic[R]):
         self._by_request[request_id] = (replica_id, at, prompt_tokens, prefill_tokens)
         entries = self._by_replica.setdefault(replica_id, {})
         entries[request_id] = (at, prompt_tokens, prefill_tokens)
+        self._given.pop(replica_id, None)
         self._committed[replica_id] = self._committed.get(replica_id, 0) + prompt_tokens
         last = self._last_at.get(replica_id, at)
         self._last_at[replica_id] = None if last is None or at < last else at
@@ -347,6 +356,7 @@ class InFlightTracker(Generic[R]):
         replica_id = entry[0]
         entries = self._by_replica[replica_id]
         del entries[request_id]
+        self._given.pop(replica_id, None)
         if entries:
             self._committed[replica_id] -= entry[2]
         else:
@@ -365,8 +375,14 @@ class InFlightTracker(Generic[R]):
         """Per replica: requests routed after its stats were taken (unseen) and the KV
         footprint of everything in flight there."""
         out: dict[R, Correction] = {}
+        given = self._given
         for rid, entries in self._by_replica.items():
             load = loads.get(rid)
+            stamp = None if load is None else load.timestamp
+            cached = given.get(rid)
+            if cached is not None and cached[0] == stamp:
+                out[rid] = cached[1]
+                continue
             n = tokens = prefill = 0
             if load is None or self._last_at[rid] is None:
                 for at, t, p in entries.values():
@@ -378,7 +394,8 @@ class InFlightTracker(Generic[R]):
                     if at <= stamp:
                         break
                     n, tokens, prefill = n + 1, tokens + t, prefill + p
-            out[rid] = Correction(n, tokens, self._committed[rid], prefill)
+            out[rid] = correction = Correction(n, tokens, self._committed[rid], prefill)
+            given[rid] = (stamp, correction)
         return out
 
     def __len__(self) -> int:
