@@ -34,6 +34,7 @@ cluster does to them, as Ray Serve does:
 
 from __future__ import annotations
 
+import collections
 import gc
 import heapq
 import itertools
@@ -51,6 +52,7 @@ from iterserve.autoscale.cluster_sim_types import (
     SimRequest,
     SimResult,
     count_gaps,
+    itl_histogram,
     request_itl,
 )
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
@@ -153,7 +155,7 @@ class ClusterSim:
         self.slots: list[ReplicaSlot] = []
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.published: dict[str, ReplicaLoad] = {}
-        self.itl_counts: dict[float, int] = {}
+        self.itl_bins: collections.Counter = collections.Counter()  # see count_gaps
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
@@ -328,7 +330,7 @@ class ClusterSim:
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions
         gaps, record.itl_max, record.itl_p99 = request_itl(request.token_times)
-        count_gaps(self.itl_counts, gaps)
+        count_gaps(self.itl_bins, gaps)
         slot.ongoing -= 1
         self.num_open -= 1
         router = self.routers[record.router]
@@ -404,7 +406,7 @@ class ClusterSim:
             end_time=end,
             prefix_query_tokens=sum(e.block_manager.prefix_queries for e in engines),
             prefix_hit_tokens=sum(e.block_manager.prefix_hits for e in engines),
-            itl_counts=self.itl_counts,
+            itl_counts=itl_histogram(self.itl_bins),
             num_steps=sum(e.num_steps for e in engines),
             router_names=[r.policy.name for r in self.routers],
             autoscaler_name=None if self.autoscaler is None else self.autoscaler.name,

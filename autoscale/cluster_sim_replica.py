@@ -102,6 +102,7 @@ class SimReplica:
         self._admitted: list[Request] = []  # admitted by the last lazily scheduled step
         self._prefilling: list[Request] = []  # running, not decodes (scheduler order)
         self._output_token: dict[str, int] = {}
+        self._params: dict[int, SamplingParams] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
 
     @property
@@ -143,7 +144,10 @@ class SimReplica:
     def add(self, spec: SimRequest, now: float) -> Request:
         """A request arrives (advance(now) first). Raises ValueError if it can never run."""
         self.advance(now)
-        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+        params = self._params.get(spec.max_tokens)
+        if params is None:  # frozen: one per max_tokens value (validation is not free)
+            params = self._params[spec.max_tokens] = SamplingParams(
+                max_tokens=spec.max_tokens, ignore_eos=True)
         request = Request(spec.request_id, list(spec.prompt_token_ids), params, now)
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
