@@ -31,6 +31,7 @@ from iterserve.autoscale.cluster_sim_decodes import (
     SCHEDULE_PHASE,
     UPDATE_PHASE,
     DecodeCohort,
+    Decoder,
 )
 from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
@@ -286,7 +287,7 @@ class SimReplica:
                                 and r.request_id not in members]
 
     def _update_decodes(self, step: int) -> None:
-        decodes, bm = self.decodes, self.block_manager
+        decodes = self.decodes
         for kind, member in decodes.due(step, UPDATE_PHASE):
             request = member.request
             if kind == FINISH:
@@ -295,8 +296,20 @@ class SimReplica:
                 self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
                 self._forget(request)
             elif kind != ALLOC:  # REGISTER: the block it just filled joins the prefix cache
-                decodes.materialise(member, step)
-                bm.mark_computed(request)
+                self._register_decode_block(member, step)
+
+    def _register_decode_block(self, member: Decoder, step: int) -> None:
+        """A block of output tokens is a run of the member's token (every sampled token of
+        a simulated request is its output_token_id): registered without materialising the
+        request's tokens; a block that still holds prompt tokens takes the general path."""
+        request, size = member.request, self.block_manager.block_size
+        computed = member.computed_after(step)
+        request.num_computed_tokens = computed
+        if computed - size >= request.num_prompt_tokens and \
+                self.block_manager.register_next_block(request, (member.token,) * size):
+            return
+        self.decodes.materialise(member, step)
+        self.block_manager.mark_computed(request)
 
     def _join_decodes(self, step: int, candidates: list[Request]) -> None:
         """Running requests the step left with one token to compute become decodes."""
