@@ -80,3 +80,32 @@ def test_prompt_block_keys_find_what_the_block_manager_finds() -> None:
             want = len(bm.find_cached_prefix(probe))
             assert keys.num_cached_blocks(prompt, bm.cached_blocks) == want
             assert keys.num_cached_blocks(prompt, bm.cached_blocks) == want  # memoised
+
+
+def test_register_next_block_equals_mark_computed() -> None:
+    managers = [BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+                for _ in range(2)]
+    prompt = [3, 1, 4, 1, 5, 9]
+    for fast, bm in zip((False, True), managers, strict=True):
+        request = Request("a", list(prompt), SamplingParams(max_tokens=30), 0.0)
+        bm.allocate(request, len(prompt))
+        request.num_computed_tokens = len(prompt)
+        bm.mark_computed(request)
+        for _ in range(20):  # decode: one token of 7 a step
+            bm.allocate(request, 1)
+            request.output_token_ids.append(7)
+            request.num_computed_tokens += 1
+            if request.num_computed_tokens % 4:
+                continue
+            if not (fast and request.num_computed_tokens - 4 >= len(prompt)
+                    and bm.register_next_block(request, (7,) * 4)):
+                bm.mark_computed(request)
+    assert managers[0].cached_blocks == managers[1].cached_blocks
+    assert managers[0].num_registered == managers[1].num_registered
+    assert [b.key for b in managers[0].blocks] == [b.key for b in managers[1].blocks]
+    # More than one block behind: it declines, and mark_computed does the work.
+    bm = managers[1]
+    request = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(request, 12)
+    request.num_computed_tokens = 12
+    assert not bm.register_next_block(request, (7,) * 4)
