@@ -1,24 +1,34 @@
 """Speed floor of the cluster simulator: N replicas x D virtual seconds at a load fraction.
 
-    python -m iterserve.loadtests.cluster_sim_speed --replicas 64 --duration 600 --load 0.8
+    python -m iterserve.loadtests.cluster_sim_speed --replicas 64 --duration 600 --load 0.8 \
+        --router iterserve --autoscaler
 
 Load is relative to the capacity of one simulated replica on the workload (requests/s it
 completes when saturated, measured first on one replica), times the replica count.
-Prints wall seconds, requests, engine steps and the summary.
+--router iterserve is the production router (`iterserve_routing.IterserveRouter`: the
+`KVRouterCore` the Ray adapter calls, with the replicas' own prefix-cache answers), one per
+ingress router; --autoscaler runs the production autoscaling policy every
+autoscale_interval_s on pushed metrics, its bounds pinned at N so that the run stays at N
+replicas. Prints wall and CPU seconds, peak memory, the box's load average, requests,
+engine steps and the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Hashable, Sequence
 
 from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_policies import IterserveRouter
+from iterserve.autoscale.cluster_sim_policies import IterserveAutoscaler
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig
+from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 from iterserve.loadtests.cluster_workloads import make
 
@@ -61,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve")
     parser.add_argument("--capacity", type=float, default=None,
                         help="requests/s per replica (default: measure it first)")
+    parser.add_argument("--autoscaler", action="store_true",
+                        help="run the production autoscaling policy (bounds pinned at N)")
     parser.add_argument("--no-fast-forward", action="store_true")
     args = parser.parse_args(argv)
     config = ClusterSimConfig(fast_forward=not args.no_fast_forward)
@@ -68,15 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.load * capacity * args.replicas
     t0 = time.perf_counter()
     workload = make(args.workload, rate, args.duration)
+    autoscaler = IterserveAutoscaler(AutoscaleConfig(
+        min_replicas=args.replicas, max_replicas=args.replicas)) if args.autoscaler else None
+    load_before = os.getloadavg()
     t1, c1 = time.perf_counter(), time.process_time()
     result = simulate(workload, [ROUTERS[args.router]() for _ in range(args.routers)],
-                      args.replicas, config)
+                      args.replicas, config, autoscaler)
     t2, c2 = time.perf_counter(), time.process_time()
-    print(json.dumps({"router": args.router, "replicas": args.replicas, "virtual_s": args.duration,
+    print(json.dumps({"router": args.router, "autoscaler": args.autoscaler,
+                      "replicas": args.replicas, "virtual_s": args.duration,
                       "load": args.load, "capacity_req_s_per_replica": capacity,
                       "rate_req_s": rate, "requests": len(workload),
                       "workload_wall_s": t1 - t0, "simulate_wall_s": t2 - t1,
                       "simulate_cpu_s": c2 - c1,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
                       **result.summary()}, indent=1))
     return 0
 
