@@ -178,7 +178,8 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         running_status = RequestStatus.RUNNING
-        manager = self.block_manager
+        try_allocate = self.block_manager.try_allocate
+        plan = self._add_to_output
         for request in self.policy.order_running(self.running):
             if budget == 0:
                 break
@@ -187,16 +188,18 @@ class Scheduler:
             if request.num_output_placeholders and not self._plannable(request):
                 continue  # waits for the token it is being sampled
             remaining = request.num_uncomputed_tokens
-            num_new = self._tokens_to_compute(remaining, budget)
+            # All of it (every decode) without a call; else _tokens_to_compute decides.
+            num_new = remaining if remaining <= budget else \
+                self._tokens_to_compute(remaining, budget)
             if num_new == 0:
                 continue
-            table = manager.try_allocate(request, num_new)
+            table = try_allocate(request, num_new)
             if table is None:
                 if not self._make_room(request, num_new, output):
                     continue
-                manager.allocate(request, num_new)
-                table = manager.block_table(request.request_id)
-            self._add_to_output(output, request, num_new, num_new == remaining, table)
+                self.block_manager.allocate(request, num_new)
+                table = self.block_manager.block_table(request.request_id)
+            plan(output, request, num_new, num_new == remaining, table)
             budget -= num_new
         if not output.preempted:
             budget = self._admit_waiting(output, budget)
