@@ -193,8 +193,7 @@ class BlockManager:
             return None
         if table is None:
             table = self.block_tables[request.request_id] = []
-        for _ in range(needed):
-            table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
+        table += self._take_free(needed)
         return table
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
@@ -216,8 +215,8 @@ class BlockManager:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > len(self.free_block_ids):
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
-        for _ in range(needed):
-            table.append(self._take(next(iter(self.free_block_ids)), as_hit=False))
+        if needed > 0:
+            table += self._take_free(needed)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
@@ -235,6 +234,21 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
                 if block.key is None:
                     self.free_block_ids.move_to_end(block_id, last=False)
+
+    def _take_free(self, count: int) -> list[int]:
+        """The first `count` free blocks in reuse order, taken for new tokens (what `_take`
+        does to each, with the front of the free list popped rather than looked up)."""
+        free, blocks, cached = self.free_block_ids, self.blocks, self.cached_blocks
+        taken = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            if block.key is not None:  # its cached contents are about to be overwritten
+                del cached[block.key]
+                block.key = None
+            block.ref_count = 1  # it was free: no table held it
+            taken.append(block_id)
+        return taken
 
     def _take(self, block_id: int, as_hit: bool) -> int:
         block = self.blocks[block_id]
