@@ -22,6 +22,7 @@ from iterserve.kernels.norm import rms_norm_kernel
 from iterserve.kernels.paged_attention import batch_launches
 from iterserve.kernels.rotary import rotary_embedding_kernel
 from iterserve.kernels.split_kv import SPLIT_COUNTS
+from iterserve.kernels.work_lists import split_work
 
 # (head_dim, group, kv heads, model): the head layouts of the models the engine serves.
 MODEL_HEADS = [
@@ -70,7 +71,8 @@ def attention_launches(
     block_size: int,
     split_counts: tuple[int, ...],
 ) -> Iterator[tuple[str, Launch]]:
-    """Decode, chunk (one and several chunks) and split-KV launches of one head layout."""
+    """Decode, chunk (one and several chunks) and split-KV launches of one head layout (split-KV
+    stage 1 twice: the static grid CUDA graphs replay, and the eager step's work list)."""
     tag = f"D={head_dim},G={group},B={block_size},{dtype}"
     mixed = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [1] * 64 + [512, 300])
     for launch in batch_launches(**mixed, num_decodes=64, num_kv_splits=1):
@@ -82,6 +84,10 @@ def attention_launches(
         small = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [1] * 2)
         for launch in batch_launches(**small, num_decodes=2, num_kv_splits=splits):
             yield f"{launch.name}[{tag},splits={splits}]", launch
+        # Eager steps: stage 1 over a host-built work list (the reduce is the same launch).
+        work = torch.from_numpy(split_work(small["seq_lens"].numpy(), splits, head_dim))
+        stage1, _ = batch_launches(**small, num_decodes=2, num_kv_splits=splits, split_work=work)
+        yield f"{stage1.name}[{tag},splits={splits},work list]", stage1
 
 
 def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]:

@@ -33,12 +33,14 @@ from iterserve.kernels._common import (
     check_out,
     check_shape,
     check_tensor,
+    check_work_list,
     dot_dtype,
     next_power_of_2,
 )
 from iterserve.kernels.attention_core import LOG2E, attend_range, check_paged_args
 from iterserve.kernels.launch import Launch
 from iterserve.kernels.split_kv import MAX_SPLITS, split_kv_launches
+from iterserve.kernels.work_lists import kv_tile, prefill_block_m
 
 
 @triton.jit
@@ -156,11 +158,6 @@ def paged_attention_kernel(
     )
 
 
-def kv_tile(head_dim: int) -> int:
-    """Tokens per K/V tile: 32 KB of bf16 K+V per pipeline stage for any head_dim <= 128."""
-    return 64 if head_dim <= 128 else 32
-
-
 def decode_config(group: int, head_dim: int) -> dict[str, int]:
     """Decode programs: the smallest M tile, 5 stages (K/V two tiles ahead, ids three)."""
     return {
@@ -174,7 +171,7 @@ def decode_config(group: int, head_dim: int) -> dict[str, int]:
 
 def prefill_config(group: int, head_dim: int) -> dict[str, int]:
     """Chunk programs: 128 rows (compute-bound), K/V two tiles ahead as for decode."""
-    block_m = max(128, next_power_of_2(group))
+    block_m = prefill_block_m(group)
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
@@ -240,6 +237,7 @@ def batch_launches(
     scale: float,
     num_decodes: int,
     num_kv_splits: int,
+    split_work: torch.Tensor | None = None,  # [P, 2] (decode, split), work_lists.split_work
 ) -> list[Launch]:
     """The launches of one flat batch: its decode part, then its chunk part (each if any)."""
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
@@ -247,7 +245,7 @@ def batch_launches(
     if num_decodes > 0 and num_kv_splits > 1:
         launches += split_kv_launches(
             out[:num_decodes], query[:num_decodes], k_cache, v_cache,
-            seq_lens[:num_decodes], block_tables[:num_decodes], scale, num_kv_splits,
+            seq_lens[:num_decodes], block_tables[:num_decodes], scale, num_kv_splits, split_work,
         )  # fmt: skip
     elif num_decodes > 0:
         launches.append(paged_launch(
@@ -275,6 +273,7 @@ def paged_attention(
     *,
     num_decodes: int = 0,
     num_kv_splits: int = 1,
+    split_work: torch.Tensor | None = None,  # [P, 2] int32, see below
     out: torch.Tensor | None = None,  # [T, Hq, D], optional preallocated output
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a ragged batch over the paged cache (see reference.paged_attention).
@@ -287,7 +286,9 @@ def paged_attention(
     hold exactly one query token each, tokens 0 .. num_decodes - 1; they run as the decode
     launch, split num_kv_splits ways across their context when num_kv_splits > 1
     (choose_num_splits). With the defaults every sequence runs as a chunk: correct for any
-    batch.
+    batch. split_work: the eager step's host-built list of the decode part's non-empty splits
+    (work_lists.split_work of seq_lens[:num_decodes], num_kv_splits and head_dim): split-KV
+    then launches exactly those; None (CUDA graphs) keeps the static grid.
     """
     device = check_paged_args(query, k_cache, v_cache, seq_lens, block_tables, scale)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
@@ -299,12 +300,14 @@ def paged_attention(
         raise ValueError(f"num_decodes must be in [0, {min(num_seqs, num_tokens)}], got {num_decodes}")
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_SPLITS}], got {num_kv_splits!r}")
+    if split_work is not None:
+        check_work_list("split_work", split_work, device)
     out = check_out(out, tuple(query.shape), query.dtype, device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     for launch in batch_launches(
         out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-        num_decodes, num_kv_splits,
+        num_decodes, num_kv_splits, split_work,
     ):  # fmt: skip
         launch.run()
     return out

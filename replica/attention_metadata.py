@@ -28,6 +28,10 @@ class AttentionMetadata:
     # split num_kv_splits ways across the context (flash-decoding) when > 1.
     num_decodes: int = 0
     num_kv_splits: int = 1
+    # Eager steps only: [P, 2] int32, the decode part's non-empty (sequence, split) pairs
+    # (kernels/work_lists.split_work), so split-KV launches no idle program. None under CUDA
+    # graphs, whose grid must stay the same between replays.
+    split_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -245,12 +245,19 @@ class ModelRunner:
         return choose_num_splits(num_decodes, self.model_config.num_key_value_heads,
                                  max_decode_seq_len, self.num_sms)
 
-    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, int]:
-        """num_decodes / num_kv_splits from the host arrays: the decode part alone decides."""
+    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, object]:
+        """num_decodes / num_kv_splits / split_work from the host arrays (the decode part
+        alone decides): an eager step launches split-KV programs only for non-empty splits."""
         num_decodes = count_leading_decodes(prepared.query_start_loc)
-        longest = int(prepared.seq_lens[:num_decodes].max()) if num_decodes else 0
-        return {"num_decodes": num_decodes,
-                "num_kv_splits": self._decode_kv_splits(num_decodes, longest) if num_decodes else 1}
+        decode_lens = prepared.seq_lens[:num_decodes]
+        splits = self._decode_kv_splits(num_decodes, int(decode_lens.max())) if num_decodes else 1
+        if splits == 1:
+            return {"num_decodes": num_decodes, "num_kv_splits": 1}
+        from iterserve.kernels.work_lists import split_work
+
+        work = split_work(decode_lens, splits, self.model_config.head_dim)  # [P, 2]
+        return {"num_decodes": num_decodes, "num_kv_splits": splits,
+                "split_work": self._to_device(work)}
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):

@@ -78,6 +78,8 @@ def test_every_head_dim_and_split_count_is_compiled(compiled: list[dict[str, obj
         assert any(n.startswith(f"paged_attention.decode[D={head_dim},") for n in names), head_dim
     for splits in SPLIT_COUNTS[1:]:
         assert any(n.startswith("split_kv_decode") and f"splits={splits}]" in n for n in names), splits
+        # ... and over the eager step's work list (only non-empty splits launched).
+        assert any(n.startswith("split_kv_decode") and f"splits={splits},work list]" in n for n in names)
 
 
 @pytest.mark.slow
