@@ -22,7 +22,7 @@ from iterserve.kernels.norm import rms_norm_kernel
 from iterserve.kernels.paged_attention import batch_launches
 from iterserve.kernels.rotary import rotary_embedding_kernel
 from iterserve.kernels.split_kv import SPLIT_COUNTS
-from iterserve.kernels.work_lists import split_work
+from iterserve.kernels.work_lists import prefill_work, split_work
 
 # (head_dim, group, kv heads, model): the head layouts of the models the engine serves.
 MODEL_HEADS = [
@@ -71,12 +71,17 @@ def attention_launches(
     block_size: int,
     split_counts: tuple[int, ...],
 ) -> Iterator[tuple[str, Launch]]:
-    """Decode, chunk (one and several chunks) and split-KV launches of one head layout (split-KV
-    stage 1 twice: the static grid CUDA graphs replay, and the eager step's work list)."""
+    """Decode, chunk (one and several chunks) and split-KV launches of one head layout; the
+    chunk launch and split-KV stage 1 also over the eager step's host-built work lists."""
     tag = f"D={head_dim},G={group},B={block_size},{dtype}"
     mixed = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [1] * 64 + [512, 300])
     for launch in batch_launches(**mixed, num_decodes=64, num_kv_splits=1):
         yield f"{launch.name}[{tag}]", launch
+    # Eager steps: the chunk launch over a host-built, heaviest-first work list.
+    work = torch.from_numpy(prefill_work(mixed["query_start_loc"][64:].numpy(),
+                                         mixed["seq_lens"][64:].numpy(), group))
+    *_, chunks = batch_launches(**mixed, num_decodes=64, num_kv_splits=1, prefill_work=work)
+    yield f"{chunks.name}[{tag},work list]", chunks
     one_chunk = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [2048])
     (launch,) = batch_launches(**one_chunk, num_decodes=0, num_kv_splits=1)
     yield f"{launch.name}[{tag},1 chunk]", launch

@@ -68,3 +68,22 @@ def split_work(seq_lens: np.ndarray, num_splits: int, head_dim: int) -> np.ndarr
     splits = np.arange(seqs.shape[0]) - np.repeat(np.cumsum(counts[order]) - counts[order], counts[order])
     return np.stack([seqs, splits], axis=1).astype(np.int32)
 
+
+def prefill_work(query_start_loc: np.ndarray, seq_lens: np.ndarray, group: int) -> np.ndarray:  # [P, 2]
+    """(chunk, query block) of every query block of the chunk launch, heaviest first.
+
+    query_start_loc: [S' + 1], seq_lens: [S'] of the chunks (the batch past its decodes).
+    A query block's cost is the keys it attends to, min(seq_len, context + end of block),
+    so the order runs the last blocks of the longest contexts first across all chunks, and
+    the cheap blocks fill the tail. A chunk with no query tokens gets no program.
+    """
+    block_q = prefill_block_q(group)
+    q_lens = np.diff(np.asarray(query_start_loc).astype(np.int64))
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
+    blocks = _cdiv(q_lens, block_q)
+    chunks = np.repeat(np.arange(q_lens.shape[0]), blocks)
+    q_block = np.arange(chunks.shape[0]) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    context = (seq_lens - q_lens)[chunks]
+    keys = np.minimum(seq_lens[chunks], context + (q_block + 1) * block_q)
+    order = np.argsort(-keys, kind="stable")
+    return np.stack([chunks[order], q_block[order]], axis=1).astype(np.int32)

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # (kernels/work_lists.split_work), so split-KV launches no idle program. None under CUDA
     # graphs, whose grid must stay the same between replays.
     split_work: torch.Tensor | None = None
+    # [P, 2] int32, the chunk part's (chunk, query block) pairs heaviest first across chunks
+    # (kernels/work_lists.prefill_work). Chunks never run under CUDA graphs.
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -246,18 +246,26 @@ class ModelRunner:
                                  max_decode_seq_len, self.num_sms)
 
     def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, object]:
-        """num_decodes / num_kv_splits / split_work from the host arrays (the decode part
-        alone decides): an eager step launches split-KV programs only for non-empty splits."""
+        """The Triton attention's launch hints from the host arrays: num_decodes, and
+        num_kv_splits / split_work from the decode part alone (split-KV programs only for
+        non-empty splits), prefill_work for the chunks (heaviest query blocks first)."""
         num_decodes = count_leading_decodes(prepared.query_start_loc)
         decode_lens = prepared.seq_lens[:num_decodes]
         splits = self._decode_kv_splits(num_decodes, int(decode_lens.max())) if num_decodes else 1
-        if splits == 1:
-            return {"num_decodes": num_decodes, "num_kv_splits": 1}
-        from iterserve.kernels.work_lists import split_work
+        hints: dict[str, object] = {"num_decodes": num_decodes, "num_kv_splits": splits}
+        if self.attention_backend != "triton":
+            return hints
+        from iterserve.kernels import work_lists
 
-        work = split_work(decode_lens, splits, self.model_config.head_dim)  # [P, 2]
-        return {"num_decodes": num_decodes, "num_kv_splits": splits,
-                "split_work": self._to_device(work)}
+        mc = self.model_config
+        if splits > 1:
+            hints["split_work"] = self._to_device(
+                work_lists.split_work(decode_lens, splits, mc.head_dim))  # [P, 2]
+        if num_decodes < prepared.seq_lens.shape[0]:
+            hints["prefill_work"] = self._to_device(work_lists.prefill_work(
+                prepared.query_start_loc[num_decodes:], prepared.seq_lens[num_decodes:],
+                mc.num_attention_heads // mc.num_key_value_heads))  # [P, 2]
+        return hints
 
     def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):

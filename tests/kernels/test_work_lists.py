@@ -1,4 +1,4 @@
-"""Host-built work lists: split-KV launching only non-empty splits.
+"""Host-built work lists: split-KV launching only non-empty splits, chunks heaviest first.
 
 Parity against kernels/reference.py under the interpreter, on batches whose unowned cache
 slots, unused table entries, split scratch and output start as NaN (kernel_testlib): a
@@ -15,7 +15,7 @@ from kernel_testlib import TOLERANCES, make_paged_batch, poisoned
 from iterserve.kernels import ops, split_kv
 from iterserve.kernels import reference as ref
 from iterserve.kernels.paged_attention import batch_launches
-from iterserve.kernels.work_lists import kv_tile, split_work
+from iterserve.kernels.work_lists import kv_tile, prefill_block_q, prefill_work, split_work
 
 F32 = TOLERANCES[torch.float32]
 
@@ -123,3 +123,58 @@ def test_empty_work_list_writes_zeros_and_bad_lists_are_refused() -> None:
     with pytest.raises(ValueError, match=r"split_work must have shape \(3, 2\)"):
         ops.paged_attention(batch.query, *args[1:3], batch.query_start_loc, *args[3:], batch.scale,
                             num_decodes=2, num_kv_splits=4, split_work=torch.zeros((3, 3), dtype=torch.int32))
+
+
+def brute_prefill_items(q_lens: list[int], seq_lens: list[int], block_q: int) -> list[tuple[int, int, int]]:
+    """(keys seen, chunk, block) of every query block, by the definition."""
+    items = []
+    for chunk, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for block in range(-(-q_len // block_q)):
+            items.append((min(seq_len, seq_len - q_len + (block + 1) * block_q), chunk, block))
+    return items
+
+
+def test_prefill_work_is_every_query_block_heaviest_first() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        q_lens = rng.integers(0, 600, size=int(rng.integers(1, 9)))
+        seq_lens = q_lens + rng.integers(0, 3000, size=q_lens.shape[0])
+        group = int(rng.choice([1, 3, 4, 8]))
+        starts = np.concatenate([[0], np.cumsum(q_lens)])
+        work = prefill_work(starts, seq_lens, group)
+        items = brute_prefill_items(q_lens.tolist(), seq_lens.tolist(), prefill_block_q(group))
+        assert work.dtype == np.int32
+        # Heaviest first; equal costs keep batch order (chunk, then block).
+        assert [tuple(item) for item in work.tolist()] == [(c, b) for _, c, b in
+                                                           sorted(items, key=lambda it: -it[0])]
+
+
+def test_heaviest_blocks_run_first_across_chunks() -> None:
+    # group 4: 32-token query blocks. A 100-token prompt (blocks see 32..100 keys) and a
+    # 40-token chunk over 1000 cached tokens (blocks see 1032 and 1040): the second chunk's
+    # blocks start first, its last block before its first, then the prompt's from its end.
+    work = prefill_work(np.array([0, 100, 140]), np.array([100, 1040]), group=4)
+    assert work.tolist() == [[1, 1], [1, 0], [0, 3], [0, 2], [0, 1], [0, 0]]
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(4, 64, 16), (3, 80, 32), (8, 128, 16)])
+def test_prefill_work_list_matches_reference(group: int, head_dim: int, block_size: int) -> None:
+    # Decodes, then chunks: a long prompt over several query blocks, a chunk over a long
+    # cached context, an idle sequence (no tokens: no program), a 1-token chunk, a short one.
+    q_lens = [1, 1, 150, 40, 0, 1, 9]
+    seq_lens = [60, 300, 150, 700, 5, 33, 90]
+    batch = make_paged_batch(q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.float32, seed=group)  # fmt: skip
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+            batch.block_tables, batch.scale)  # fmt: skip
+    starts = batch.query_start_loc.cpu().numpy()
+    work = torch.from_numpy(prefill_work(starts[2:], np.array(seq_lens[2:]), group))
+    got = ops.paged_attention(*args, num_decodes=2, prefill_work=work,
+                              out=poisoned(tuple(batch.query.shape), torch.float32))
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref.paged_attention(*args), **F32)
+    # One program per query block: no spare programs, no binary search.
+    *_, chunks = batch_launches(torch.empty_like(batch.query), *args, num_decodes=2, num_kv_splits=1,
+                                prefill_work=work)
+    assert chunks.grid == (work.shape[0], 2) and chunks.constexprs["HAS_WORK_LIST"]
+    assert work.shape[0] == sum(-(-q // prefill_block_q(group)) for q in q_lens[2:])
