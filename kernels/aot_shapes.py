@@ -106,7 +106,8 @@ def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]
              hidden, hidden if add else 0, hidden, 1e-5),
             {"ADD_RESIDUAL": add, "BLOCK": block}, elementwise_num_warps(block), 3,
         )  # fmt: skip
-    # Positions and slots: int64 from the eager step, int32 from the packed CUDA-graph inputs.
+    # Positions and slots: int32 from the engine (both its packed input buffers), int64 from
+    # direct callers of the launchers.
     for (num_heads, num_kv_heads, head_dim), index in [
         ((32, 8, 128), torch.int64), ((32, 8, 128), torch.int32), ((32, 8, 64), torch.int64)
     ]:

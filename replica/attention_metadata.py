@@ -19,7 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [S, M] int32, padded with 0 past each sequence's blocks
-    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset; -1 for padding
+    slot_mapping: torch.Tensor  # [T] int32 (int64 also taken), block * B + offset; -1 pads
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool  # every query length is 1
