@@ -12,12 +12,12 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Generic
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.router_meters import RoutedWorkMeter
 from iterserve.autoscale.router_policy import (
     Correction,
     InFlightTracker,
     PrefixAffinityTable,
     R,
-    RoutedWorkMeter,
     prefix_hash,
     rank_replicas,
 )
