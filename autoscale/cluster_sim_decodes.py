@@ -2,10 +2,13 @@
 
 A request that is running with exactly one uncomputed token is a decode: every step until
 it finishes computes one token and samples one. Nothing about that needs per-step work
-except three kinds of moments, which the cohort keeps in a heap keyed by step number:
+except three kinds of moments:
     ALLOC     the schedule() of step s takes a new block for it (its KV passes a block),
     REGISTER  the update() of step s completes a block: it joins the prefix cache,
     FINISH    the update() of step s samples its last token (max_tokens / max_model_len).
+ALLOC and REGISTER recur every block_size steps, so the cohort keeps them in block_size
+buckets by step modulo block_size (each bucket in admission order; no heap operation per
+event); FINISH, once per member, in a heap keyed by step.
 Its `Request` fields (num_computed_tokens, output_token_ids, token_times) are brought up
 to date only at those moments and when someone needs them (`materialise`). The block
 manager is always exact: blocks are taken and registered at the step and in the order the
@@ -14,7 +17,9 @@ per-step scheduler would (decodes in running order, which is admission order `se
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,6 +39,8 @@ class Decoder:
     outputs0: int  # its num_output_tokens then
     finish_step: int
     token: int  # what it samples at every position
+    alloc_from: int = 0  # its first ALLOC step (then every block_size steps)
+    register_from: int = 0  # its first REGISTER step (then every block_size steps)
 
     def computed_after(self, step: int) -> int:
         return self.computed0 + step - self.join_step
@@ -44,7 +51,10 @@ class DecodeCohort:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.members: dict[str, Decoder] = {}
-        self._events: list[tuple[int, int, int, int, str]] = []  # step, phase, seq, kind, id
+        size = block_manager.block_size
+        self._allocs: list[list[Decoder]] = [[] for _ in range(size)]  # by step % size
+        self._registers: list[list[Decoder]] = [[] for _ in range(size)]
+        self._finishes: list[tuple[int, int, str]] = []  # (step, seq, id) heap
         self.kv_base = 0  # sum of (computed0 - join_step): step s reads kv_base + n * s
 
     def __len__(self) -> int:
@@ -70,14 +80,19 @@ class DecodeCohort:
         self.members[rid] = member
         self.kv_base += c0 - step
         capacity = len(self.block_manager.block_tables[rid]) * block_size
-        heapq.heappush(self._events, (step + 1 + capacity - c0, SCHEDULE_PHASE, seq, ALLOC, rid))
-        heapq.heappush(self._events, (step + block_size - c0 % block_size, UPDATE_PHASE, seq,
-                                      REGISTER, rid))
-        heapq.heappush(self._events, (member.finish_step, UPDATE_PHASE, seq, FINISH, rid))
+        member.alloc_from = step + 1 + capacity - c0
+        member.register_from = step + block_size - c0 % block_size
+        bisect.insort(self._allocs[member.alloc_from % block_size], member, key=_admission)
+        bisect.insort(self._registers[member.register_from % block_size], member,
+                      key=_admission)
+        heapq.heappush(self._finishes, (member.finish_step, seq, rid))
 
     def leave(self, request_id: str, step: int) -> Request:
         """Remove a member, its fields made current as of the end of step `step`."""
         member = self.members.pop(request_id)
+        size = self.block_manager.block_size
+        self._allocs[member.alloc_from % size].remove(member)
+        self._registers[member.register_from % size].remove(member)
         self.kv_base -= member.computed0 - member.join_step
         self.materialise(member, step)
         return member.request
@@ -105,22 +120,32 @@ class DecodeCohort:
 
     def clear(self) -> None:
         self.members.clear()
-        self._events.clear()
+        for bucket in self._allocs + self._registers:
+            bucket.clear()
+        self._finishes.clear()
         self.kv_base = 0
 
     # ---------------------------------------------------------------------- events
     def due(self, step: int, phase: int) -> list[tuple[int, Decoder]]:
-        """Pop the (kind, member) events of this step and phase, in the scheduler's order.
-        Stale events (a member that left) are dropped; recurring ones are re-armed."""
-        out = []
-        events = self._events
-        block_size = self.block_manager.block_size
-        while events and events[0][0] == step and events[0][1] == phase:
-            _, _, seq, kind, rid = heapq.heappop(events)
-            member = self.members.get(rid)
-            if member is None or member.seq != seq:
-                continue
-            out.append((kind, member))
-            if kind != FINISH and step + block_size <= member.finish_step:
-                heapq.heappush(events, (step + block_size, phase, seq, kind, rid))
+        """The (kind, member) events of this step and phase, in the scheduler's order:
+        admission order, and a member's REGISTER before its FINISH."""
+        size = self.block_manager.block_size
+        if phase == SCHEDULE_PHASE:
+            return [(ALLOC, m) for m in self._allocs[step % size] if m.alloc_from <= step]
+        out = [(REGISTER, m) for m in self._registers[step % size] if m.register_from <= step]
+        finishes = self._finishes
+        if finishes and finishes[0][0] == step:
+            while finishes and finishes[0][0] == step:
+                _, seq, rid = heapq.heappop(finishes)
+                member = self.members.get(rid)
+                if member is not None and member.seq == seq:
+                    out.append((FINISH, member))
+            out.sort(key=_event_order)
         return out
+
+
+_admission = operator.attrgetter("seq")
+
+
+def _event_order(event: tuple[int, Decoder]) -> tuple[int, int]:
+    return event[1].seq, event[0]

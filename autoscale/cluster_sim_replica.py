@@ -23,6 +23,7 @@ compares the JSON of both byte for byte).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import (
     ALLOC,
@@ -30,7 +31,9 @@ from iterserve.autoscale.cluster_sim_decodes import (
     SCHEDULE_PHASE,
     UPDATE_PHASE,
     DecodeCohort,
+    Decoder,
 )
+from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager
@@ -55,20 +58,37 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
     return blocks
 
 
+class VirtualClock:
+    """A replica's virtual time, which its scheduler reads. Not a bound method of the
+    replica: that would make replica <-> scheduler a reference cycle, which only the cyclic
+    collector frees (the simulator pauses it: see cluster_sim._cyclic_gc_paused)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class SimReplica:
-    def __init__(self, replica_id: str, config: ClusterSimConfig, now: float) -> None:
+    def __init__(self, replica_id: str, config: ClusterSimConfig, now: float,
+                 prompt_keys: PromptBlockKeys | None = None) -> None:
+        """prompt_keys: shared by the replicas of one cluster (same block size)."""
         self.replica_id = replica_id
         self.config = config
         self.cost: CostModel = config.sim.cost
         self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
                                           config.enable_prefix_caching)
+        self.prompt_keys = prompt_keys or PromptBlockKeys(config.block_size)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
         )
-        self.now = now
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self._clock)
+        self.clock = VirtualClock(now)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self.clock)
         self.decodes = DecodeCohort(self.block_manager, config.max_model_len)
         self.lazy = config.fast_forward and self.scheduler_config.scheduler_policy == "fcfs" \
             and self.scheduler_config.batching == "continuous" \
@@ -83,10 +103,12 @@ class SimReplica:
         self._admitted: list[Request] = []  # admitted by the last lazily scheduled step
         self._prefilling: list[Request] = []  # running, not decodes (scheduler order)
         self._output_token: dict[str, int] = {}
+        self._params: dict[int, SamplingParams] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
 
-    def _clock(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     @property
     def num_steps(self) -> int:
@@ -111,16 +133,22 @@ class SimReplica:
             timestamp=now,
         )
 
-    def cached_prefix_tokens(self, token_ids: object) -> int:
-        """How many leading tokens of a prompt this replica's prefix cache holds now."""
-        probe = Request("probe", list(token_ids), SamplingParams(max_tokens=1), 0.0)
-        return len(self.block_manager.find_cached_prefix(probe)) * self.block_manager.block_size
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of a prompt this replica's prefix cache holds now
+        (what find_cached_prefix finds for it)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return 0
+        return self.prompt_keys.num_cached_blocks(token_ids, bm.cached_blocks) * bm.block_size
 
     # ----------------------------------------------------------------------- driving
     def add(self, spec: SimRequest, now: float) -> Request:
         """A request arrives (advance(now) first). Raises ValueError if it can never run."""
         self.advance(now)
-        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+        params = self._params.get(spec.max_tokens)
+        if params is None:  # frozen: one per max_tokens value (validation is not free)
+            params = self._params[spec.max_tokens] = SamplingParams(
+                max_tokens=spec.max_tokens, ignore_eos=True)
         request = Request(spec.request_id, list(spec.prompt_token_ids), params, now)
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
@@ -137,7 +165,7 @@ class SimReplica:
 
     # ------------------------------------------------------------------------ steps
     def _start_step(self, now: float) -> None:
-        self.now = now
+        self.clock.now = now
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests():
             self.step_end = None
@@ -229,7 +257,7 @@ class SimReplica:
         self.decodes.clear()
 
     def _end_step(self, end: float) -> None:
-        self.now = end
+        self.clock.now = end
         self._step_ends.append(end)
         step = self.num_steps
         output = self._step
@@ -259,7 +287,7 @@ class SimReplica:
                                 and r.request_id not in members]
 
     def _update_decodes(self, step: int) -> None:
-        decodes, bm = self.decodes, self.block_manager
+        decodes = self.decodes
         for kind, member in decodes.due(step, UPDATE_PHASE):
             request = member.request
             if kind == FINISH:
@@ -268,8 +296,20 @@ class SimReplica:
                 self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
                 self._forget(request)
             elif kind != ALLOC:  # REGISTER: the block it just filled joins the prefix cache
-                decodes.materialise(member, step)
-                bm.mark_computed(request)
+                self._register_decode_block(member, step)
+
+    def _register_decode_block(self, member: Decoder, step: int) -> None:
+        """A block of output tokens is a run of the member's token (every sampled token of
+        a simulated request is its output_token_id): registered without materialising the
+        request's tokens; a block that still holds prompt tokens takes the general path."""
+        request, size = member.request, self.block_manager.block_size
+        computed = member.computed_after(step)
+        request.num_computed_tokens = computed
+        if computed - size >= request.num_prompt_tokens and \
+                self.block_manager.register_next_block(request, (member.token,) * size):
+            return
+        self.decodes.materialise(member, step)
+        self.block_manager.mark_computed(request)
 
     def _join_decodes(self, step: int, candidates: list[Request]) -> None:
         """Running requests the step left with one token to compute become decodes."""

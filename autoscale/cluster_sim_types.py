@@ -275,10 +275,13 @@ def request_itl(token_times: Sequence[float]) -> tuple[list[float], float, float
     return gaps, max(gaps), percentile(gaps, 99)
 
 
-def count_gaps(counts: dict[float, int], gaps: Sequence[float]) -> None:
-    """Add gaps to a {bin: count} histogram of ITL_RESOLUTION_S bins (each gap counts at
-    its bin's lower edge; C-speed: a run holds millions of gaps)."""
-    bins = collections.Counter(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
-    for b, n in bins.items():
-        key = b / ITL_BINS_PER_S
-        counts[key] = counts.get(key, 0) + n
+def count_gaps(bins: collections.Counter, gaps: Sequence[float]) -> None:
+    """Add gaps to a Counter of ITL_RESOLUTION_S bin numbers (each gap counts at its bin's
+    lower edge; C-speed: a run holds millions of gaps). `itl_histogram` turns it into
+    {gap: count}."""
+    bins.update(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
+
+
+def itl_histogram(bins: collections.Counter) -> dict[float, int]:
+    """{bin's lower edge in seconds: count}, in the order the bins were first seen."""
+    return {b / ITL_BINS_PER_S: n for b, n in bins.items()}

@@ -166,8 +166,13 @@ def _committed_kv(correction: Correction, load: ReplicaLoad, config: RouterConfi
 
 def request_kv_share(request_tokens: int, load: ReplicaLoad | None, config: RouterConfig
                      ) -> float:
-    """The KV fraction of `load`'s replica that a request of request_tokens would take."""
-    return _kv_of(Correction(1, max(0, request_tokens)), load, config)
+    """The KV fraction of `load`'s replica that a request of request_tokens would take
+    (`_kv_of` of a one-request correction, without building one: it runs per replica per
+    request)."""
+    kv_tokens = 0 if load is None else load.num_total_blocks * config.prefix_block_size
+    if request_tokens > 0 and kv_tokens > 0:
+        return request_tokens / kv_tokens
+    return config.inflight_kv_per_request * 1
 
 
 def _hot(eff_waiting: int, eff_kv: float, max_waiting: int | None, config: RouterConfig) -> bool:
@@ -330,41 +335,84 @@ class InFlightTracker(Generic[R]):
     Keyed by Serve's internal request id: `on_request_completed` fires for every dispatched
     request, including ones the replica rejected (which never saw `on_request_routed`), so
     unknown ids are ignored. Times are passed in, never read.
+
+    Kept per replica, in routing order, with each replica's committed total, so that
+    `corrections` (called for every request) reads only the requests routed since each
+    replica's stats, not every request in flight (thousands at 64+ replicas).
     """
 
     def __init__(self) -> None:
         self._by_request: dict[str, tuple[R, float, int, int]] = {}
+        self._by_replica: dict[R, dict[str, tuple[float, int, int]]] = {}
+        self._committed: dict[R, int] = {}
+        # Per replica: the latest routing time, or None once times went backwards (a clock
+        # step): then the unseen requests are no longer a tail and every one is read.
+        self._last_at: dict[R, float | None] = {}
+        # Per replica: (the stats timestamp, the Correction given for it), dropped when its
+        # requests change: most replicas change neither between two requests.
+        self._given: dict[R, tuple[float | None, Correction]] = {}
 
     def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0,
                prefill_tokens: int = 0) -> None:
         """prompt_tokens: the request's KV footprint (prompt + max_tokens);
         prefill_tokens: its prompt tokens the replica must compute (uncached)."""
+        self.completed(request_id)
         self._by_request[request_id] = (replica_id, at, prompt_tokens, prefill_tokens)
+        entries = self._by_replica.setdefault(replica_id, {})
+        entries[request_id] = (at, prompt_tokens, prefill_tokens)
+        self._given.pop(replica_id, None)
+        self._committed[replica_id] = self._committed.get(replica_id, 0) + prompt_tokens
+        last = self._last_at.get(replica_id, at)
+        self._last_at[replica_id] = None if last is None or at < last else at
 
     def completed(self, request_id: str) -> R | None:
         entry = self._by_request.pop(request_id, None)
-        return None if entry is None else entry[0]
+        if entry is None:
+            return None
+        replica_id = entry[0]
+        entries = self._by_replica[replica_id]
+        del entries[request_id]
+        self._given.pop(replica_id, None)
+        if entries:
+            self._committed[replica_id] -= entry[2]
+        else:
+            del self._by_replica[replica_id], self._committed[replica_id]
+            del self._last_at[replica_id]
+        return replica_id
 
     def forget_replica(self, replica_id: R) -> None:
-        for key in [k for k, (r, *_) in self._by_request.items() if r == replica_id]:
-            del self._by_request[key]
+        for key in list(self._by_replica.get(replica_id, ())):
+            self.completed(key)
 
     def in_flight(self, replica_id: R) -> int:
-        return sum(1 for r, *_ in self._by_request.values() if r == replica_id)
+        return len(self._by_replica.get(replica_id, ()))
 
     def corrections(self, loads: Mapping[R, ReplicaLoad | None]) -> dict[R, Correction]:
         """Per replica: requests routed after its stats were taken (unseen) and the KV
         footprint of everything in flight there."""
-        counts: dict[R, list[int]] = {}
-        for rid, at, tokens, prefill in self._by_request.values():
-            entry = counts.setdefault(rid, [0, 0, 0, 0])
-            entry[2] += tokens
+        out: dict[R, Correction] = {}
+        given = self._given
+        for rid, entries in self._by_replica.items():
             load = loads.get(rid)
-            if load is None or at > load.timestamp:
-                entry[0] += 1
-                entry[1] += tokens
-                entry[3] += prefill
-        return {rid: Correction(n, t, c, p) for rid, (n, t, c, p) in counts.items()}
+            stamp = None if load is None else load.timestamp
+            cached = given.get(rid)
+            if cached is not None and cached[0] == stamp:
+                out[rid] = cached[1]
+                continue
+            n = tokens = prefill = 0
+            if load is None or self._last_at[rid] is None:
+                for at, t, p in entries.values():
+                    if load is None or at > load.timestamp:
+                        n, tokens, prefill = n + 1, tokens + t, prefill + p
+            else:
+                stamp = load.timestamp
+                for at, t, p in reversed(entries.values()):  # newest first: the unseen tail
+                    if at <= stamp:
+                        break
+                    n, tokens, prefill = n + 1, tokens + t, prefill + p
+            out[rid] = correction = Correction(n, tokens, self._committed[rid], prefill)
+            given[rid] = (stamp, correction)
+        return out
 
     def __len__(self) -> int:
         return len(self._by_request)

@@ -115,6 +115,26 @@ class BlockManager:
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 
+    def register_next_block(self, request: Request, tokens: tuple[int, ...]) -> bool:
+        """`mark_computed` for a request whose computed tokens just filled exactly one more
+        block, whose tokens the caller knows (a simulator's decode: no token list to slice).
+        False (nothing done) where that is not the case: call mark_computed instead."""
+        rid = request.request_id
+        table = self.block_tables.get(rid)
+        if not self.enable_prefix_caching or table is None:
+            return True  # mark_computed would do nothing either
+        start, parent = self.num_registered.get(rid, (0, 0))
+        end = min(request.num_computed_tokens // self.block_size, len(table))
+        if end != start + 1:
+            return False
+        key = (parent, tokens)
+        block = self.blocks[table[start]]
+        if block.key is None and self.cached_blocks.setdefault(key, block.block_id) \
+                == block.block_id:
+            block.key = key
+        self.num_registered[rid] = (end, hash(key))
+        return True
+
     @staticmethod
     def _token_range(request: Request, lo: int, hi: int) -> list[int]:
         """Tokens [lo, hi) of the request, without building all_token_ids (a copy of the

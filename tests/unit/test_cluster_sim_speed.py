@@ -1,0 +1,111 @@
+"""The simulator's speed structures give exactly the answers of the code they stand in for."""
+
+from __future__ import annotations
+
+import random
+
+from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
+from iterserve.autoscale.router_policy import Correction, InFlightTracker
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.request import Request
+from iterserve.replica.sampling_params import SamplingParams
+
+
+def _brute_force_corrections(entries: dict[str, tuple[str, float, int, int]],
+                             loads: dict[str, ReplicaLoad | None]) -> dict[str, Correction]:
+    """InFlightTracker.corrections as it was: one pass over every request in flight."""
+    counts: dict[str, list[int]] = {}
+    for rid, at, tokens, prefill in entries.values():
+        entry = counts.setdefault(rid, [0, 0, 0, 0])
+        entry[2] += tokens
+        load = loads.get(rid)
+        if load is None or at > load.timestamp:
+            entry[0] += 1
+            entry[1] += tokens
+            entry[3] += prefill
+    return {rid: Correction(n, t, c, p) for rid, (n, t, c, p) in counts.items()}
+
+
+def test_in_flight_corrections_equal_a_full_scan() -> None:
+    rng = random.Random(0)
+    tracker: InFlightTracker[str] = InFlightTracker()
+    entries: dict[str, tuple[str, float, int, int]] = {}
+    replicas = [f"r{i}" for i in range(5)]
+    loads: dict[str, ReplicaLoad | None] = {}
+    now = 0.0
+    for step in range(3000):
+        now += rng.expovariate(10.0)
+        at = now - (rng.random() if step % 97 == 0 else 0.0)  # now and then a clock step back
+        op = rng.random()
+        if op < 0.5 or not entries:
+            rid, req = rng.choice(replicas), f"q{rng.randrange(400)}"  # ids are reused too
+            tokens, prefill = rng.randrange(1, 900), rng.randrange(0, 500)
+            tracker.routed(req, rid, at, prompt_tokens=tokens, prefill_tokens=prefill)
+            entries[req] = (rid, at, tokens, prefill)
+        elif op < 0.9:
+            req = rng.choice(sorted(entries)) if rng.random() < 0.9 else "unknown"
+            assert tracker.completed(req) == (entries.pop(req)[0] if req in entries else None)
+        else:
+            gone = rng.choice(replicas)
+            tracker.forget_replica(gone)
+            entries = {k: v for k, v in entries.items() if v[0] != gone}
+        for rid in replicas:  # stats arrive now and then; most calls see the same ones
+            if rng.random() < 0.2:
+                loads[rid] = None if rng.random() < 0.2 else ReplicaLoad(
+                    kv_usage=0.1, num_waiting=0, num_running=1, num_free_blocks=1,
+                    num_total_blocks=2, step_token_rate=0.0, timestamp=now - rng.random())
+            elif rng.random() < 0.02:
+                loads.pop(rid, None)
+        assert tracker.corrections(loads) == _brute_force_corrections(entries, loads)
+        assert len(tracker) == len(entries)
+        assert all(tracker.in_flight(r) == sum(1 for v in entries.values() if v[0] == r)
+                   for r in replicas)
+
+
+def test_prompt_block_keys_find_what_the_block_manager_finds() -> None:
+    rng = random.Random(1)
+    bm = BlockManager(num_blocks=200, block_size=4, enable_prefix_caching=True)
+    shared = [rng.randrange(50) for _ in range(24)]
+    for i in range(6):  # requests that cache different lengths of the shared prefix
+        tokens = shared[: 4 * i + 2] + [100 + i] * 5
+        request = Request(f"c{i}", tokens, SamplingParams(max_tokens=1), 0.0)
+        bm.allocate(request, len(tokens))
+        request.num_computed_tokens = len(tokens)
+        bm.mark_computed(request)
+    keys = PromptBlockKeys(block_size=4)
+    for n in range(0, 30):
+        for prompt in (tuple(shared[:n]) + (7,), tuple(shared[:n])):
+            probe = Request("probe", list(prompt), SamplingParams(max_tokens=1), 0.0)
+            want = len(bm.find_cached_prefix(probe))
+            assert keys.num_cached_blocks(prompt, bm.cached_blocks) == want
+            assert keys.num_cached_blocks(prompt, bm.cached_blocks) == want  # memoised
+
+
+def test_register_next_block_equals_mark_computed() -> None:
+    managers = [BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+                for _ in range(2)]
+    prompt = [3, 1, 4, 1, 5, 9]
+    for fast, bm in zip((False, True), managers, strict=True):
+        request = Request("a", list(prompt), SamplingParams(max_tokens=30), 0.0)
+        bm.allocate(request, len(prompt))
+        request.num_computed_tokens = len(prompt)
+        bm.mark_computed(request)
+        for _ in range(20):  # decode: one token of 7 a step
+            bm.allocate(request, 1)
+            request.output_token_ids.append(7)
+            request.num_computed_tokens += 1
+            if request.num_computed_tokens % 4:
+                continue
+            if not (fast and request.num_computed_tokens - 4 >= len(prompt)
+                    and bm.register_next_block(request, (7,) * 4)):
+                bm.mark_computed(request)
+    assert managers[0].cached_blocks == managers[1].cached_blocks
+    assert managers[0].num_registered == managers[1].num_registered
+    assert [b.key for b in managers[0].blocks] == [b.key for b in managers[1].blocks]
+    # More than one block behind: it declines, and mark_computed does the work.
+    bm = managers[1]
+    request = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(request, 12)
+    request.num_computed_tokens = 12
+    assert not bm.register_next_block(request, (7,) * 4)
