@@ -143,6 +143,15 @@ class AutoscaleConfig(BaseModel):
         0.40, ge=0.0, le=1.0,
         description="... and mean KV usage, rescaled to one replica fewer, below this.",
     )
+    low_running_per_replica: float = Field(
+        6.0, ge=0.0,
+        description="... and mean running sequences per replica, rescaled to one replica "
+        "fewer, at or below this: spare concurrency for a burst that arrives faster than "
+        "a replica starts (tournament, diurnal with a 3x spike in 10 s and 30 s start-ups: "
+        "running per replica rose ~8x when arrivals tripled, since each step slows with the "
+        "batch; 4 kept too much at 0.4 mean load, no bound let 0.8 load meet the spike with "
+        "5 replicas and miss the SLO for 18 % of requests).",
+    )
     upscale_delay_s: float = Field(
         2.0, ge=0.0, description="Overload must last this long before scaling up.",
     )
