@@ -32,6 +32,8 @@ def _clamp(n: int, lo: int, hi: int) -> int:
 
 class FixedReplicas:
     def __init__(self, replicas: int) -> None:
+        if replicas < 1:
+            raise ValueError(f"need at least one replica, got {replicas}")
         self.replicas = replicas
         self.name = f"fixed-{replicas}"
 
@@ -163,8 +165,8 @@ class IterserveAutoscaler:
     """iterserve's policy (`policy.decide`), its state carried between ticks as Serve's
     controller carries `policy_state` for `KVAutoscalingPolicy`."""
 
-    def __init__(self, config: AutoscaleConfig) -> None:
-        self.config = config
+    def __init__(self, config: AutoscaleConfig | None = None) -> None:
+        self.config = config or AutoscaleConfig()
         self.name = "iterserve"
         self._state: dict[str, Any] = {}
         self.last_reason = ""

@@ -76,18 +76,34 @@ class RouterConfig(BaseModel):
         "caller knows the replica's cache: `cached_tokens` of rank_replicas).",
     )
     prefill_tokens_per_waiting: float = Field(
-        1024.0, gt=0.0,
+        512.0, gt=0.0,
         description="Prefill tokens that weigh as much as one waiting request in the score "
-        "(1024: ~30 ms of H100 prefill for an 8B model; the tournament's sweep of 256-4096 "
-        "put 256-1024 ahead of 2048-4096 on skewed bursts and multi-tenant).",
+        "(512: ~15 ms of H100 prefill for an 8B model; tournament sweeps over 3 seeds: "
+        "256-1024 ahead of 2048-4096; 512 ahead of 1024 on multi-tenant).",
     )
     routed_work_weight: float = Field(
-        8.0, ge=0.0,
+        32.0, ge=0.0,
         description="Score weight of the prefill tokens this router sent each replica "
         "recently (decayed, above the least-sent replica), in prefill_tokens_per_waiting "
         "units, scaled down by the share of the prompt some replica caches: balances work "
-        "the stale stats cannot show yet. 0 disables. (Tournament sweep 0.25-8: 8 best on "
-        "steady and skewed bursts; 4-8 on multi-tenant.)",
+        "the stale stats cannot show yet, as Ray's and SGLang's 'smallest tree' does. "
+        "0 disables. (Tournament sweeps, 3 seeds: 32 ahead of 8 on steady, diurnal, "
+        "chat-summarise; 64 no better.)",
+    )
+    cache_affinity_threshold: float = Field(
+        0.1, ge=0.0,
+        description="With the replicas' own cache answers: a replica caching at least this "
+        "share of the prompt (Ray's match_rate_threshold, 0.1) goes first while in tier 0 "
+        "and within cache_affinity_slack of the best score; where none does, the replica "
+        "the affinity table last sent the prompt's prefix to (above 1: off).",
+    )
+    cache_affinity_slack: float = Field(
+        3.0, ge=0.0,
+        description="How much worse a replica holding the prompt's prefix may score, in "
+        "waiting-request units and not counting the routed-work balance, and still be "
+        "chosen for it (tournament sweep 1-16 over 3 seeds: 3-4 best on multi-turn and "
+        "multi-tenant, 3 ahead on multi-tenant; 1-2 lose sessions to the balance, 8-16 "
+        "pile tenants up).",
     )
     routed_work_half_life_s: float = Field(
         5.0, gt=0.0, description="Half-life of the routed-work meter.",
@@ -126,6 +142,15 @@ class AutoscaleConfig(BaseModel):
     kv_low_watermark: float = Field(
         0.40, ge=0.0, le=1.0,
         description="... and mean KV usage, rescaled to one replica fewer, below this.",
+    )
+    low_running_per_replica: float = Field(
+        6.0, ge=0.0,
+        description="... and mean running sequences per replica, rescaled to one replica "
+        "fewer, at or below this: spare concurrency for a burst that arrives faster than "
+        "a replica starts (tournament, diurnal with a 3x spike in 10 s and 30 s start-ups: "
+        "running per replica rose ~8x when arrivals tripled, since each step slows with the "
+        "batch; 4 kept too much at 0.4 mean load, no bound let 0.8 load meet the spike with "
+        "5 replicas and miss the SLO for 18 % of requests).",
     )
     upscale_delay_s: float = Field(
         2.0, ge=0.0, description="Overload must last this long before scaling up.",

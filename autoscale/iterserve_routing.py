@@ -1,33 +1,54 @@
 """iterserve's router as a `RoutingPolicy`: the simulator's and the tournament's entry point.
 
-It calls `KVRouterCore` (affinity table, in-flight tracker, `rank_replicas`) exactly as the
-Ray adapter `KVAwareRouter` does: shuffle the candidates (independent routers must not break
-ties towards the same replica), rank on the replicas' last reported loads corrected by this
-router's own in-flight requests, take the first; record the route; forget it on completion.
-The only difference is where the replica ids, loads and clock come from.
+It calls `KVRouterCore` (affinity table, in-flight tracker, routed-work meter,
+`rank_replicas`) exactly as the Ray adapter `KVAwareRouter` does: shuffle the candidates
+(independent routers must not break ties towards the same replica), rank on the replicas'
+last reported loads corrected by the requests in flight, take the first; record the route;
+forget it on completion. The only differences are where the replica ids, loads and clock
+come from, and where the in-flight corrections come from (`InFlightSource`):
+
+- `OWN_TRACKER`: this router's `InFlightTracker`, fed by `on_routed` / `on_completed`, as
+  the Ray adapter keeps it (the default);
+- `CALLER_VIEWS`: the caller's `ReplicaView.correction`, which the cluster simulator keeps
+  incrementally as `InFlightTracker.corrections` would (tests/unit/test_cluster_sim.py
+  checks the two agree).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.router_policy import Correction
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 
+InFlightSource = Literal["own-tracker", "caller-views"]
+OWN_TRACKER: InFlightSource = "own-tracker"
+CALLER_VIEWS: InFlightSource = "caller-views"
+
 
 class IterserveRouter:
-    """use_replica_cache: read the replicas' own prefix-cache answers
+    """The production KV-aware router (one instance per ingress router).
+
+    use_replica_cache: read the replicas' own prefix-cache answers
     (`ReplicaView.cached_prefix_tokens`) where the caller gives them; False runs the router
-    as the Ray adapter does today (replicas do not report their block hashes to it yet)."""
+    as the Ray adapter does today (replicas do not report their block hashes to it yet).
+    in_flight: where the in-flight corrections come from (module docstring)."""
 
     def __init__(self, config: RouterConfig | None = None, name: str = "iterserve",
-                 use_replica_cache: bool = True) -> None:
+                 use_replica_cache: bool = True, in_flight: InFlightSource = OWN_TRACKER
+                 ) -> None:
+        if in_flight not in (OWN_TRACKER, CALLER_VIEWS):
+            raise ValueError(f"in_flight must be {OWN_TRACKER!r} or {CALLER_VIEWS!r}, "
+                             f"got {in_flight!r}")
         self.config = config or RouterConfig()
         self.core: KVRouterCore[Hashable] = KVRouterCore(self.config)
         self.name = name
         self.use_replica_cache = use_replica_cache
+        self.in_flight = in_flight
         self._pending: tuple[str, int | None, int] | None = None
         self._cached: dict[Hashable, int] | None = None
 
@@ -39,6 +60,11 @@ class IterserveRouter:
         self._pending = (request.request_id, key, tokens)
         return key, tokens
 
+    def _corrections(self, ctx: RoutingContext) -> Mapping[Hashable, Correction] | None:
+        if self.in_flight == CALLER_VIEWS:
+            return {v.replica_id: v.correction for v in ctx.replicas}
+        return None  # the core's own tracker
+
     def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         shuffled = list(ctx.replicas)
         rng.shuffle(shuffled)
@@ -49,7 +75,8 @@ class IterserveRouter:
         if self.use_replica_cache and all(v.cached_prefix_tokens is not None for v in shuffled):
             self._cached = {v.replica_id: v.cached_prefix_tokens(prompt) for v in shuffled}
         ranked = self.core.rank(list(loads), loads, key, tokens, ctx.now,
-                                prompt_tokens=len(prompt), cached_tokens=self._cached)
+                                prompt_tokens=len(prompt), cached_tokens=self._cached,
+                                corrections=self._corrections(ctx))
         return ranked[0]
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:

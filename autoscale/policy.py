@@ -9,6 +9,7 @@ Over the replicas that report metrics and are not draining (n of them):
     overloaded   = mean_waiting > target_waiting_per_replica or mean_kv > kv_high_watermark
     underloaded  = mean_waiting <= low_waiting_per_replica
                    and mean_kv * n / (n - 1) < kv_low_watermark     (the load after removing one)
+                   and mean_running * n / (n - 1) <= low_running_per_replica
 
 Overloaded continuously for upscale_delay_s: desired = target + k, where
 k = clamp(ceil(n * pressure) - target, 1, max_upscale_step) and
@@ -79,6 +80,14 @@ def _clamp(n: int, config: AutoscaleConfig) -> int:
     return max(config.min_replicas, min(config.max_replicas, n))
 
 
+def _running_after_removal(live: list[ReplicaSignal]) -> float:
+    """Mean running sequences per replica with one replica fewer (inf for the last busy one)."""
+    total = sum(s.num_running for s in live)
+    if len(live) > 1:
+        return total / (len(live) - 1)
+    return 0.0 if total == 0 else math.inf
+
+
 def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecision, dict[str, Any]]:
     """The policy with its reasoning; `desired_replicas` is the short form."""
     state: dict[str, Any] = dict(ctx.policy_state)
@@ -109,6 +118,7 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     underloaded = (
         mean_waiting <= config.low_waiting_per_replica
         and kv_after_removal < config.kv_low_watermark
+        and _running_after_removal(live) <= config.low_running_per_replica
     )
 
     desired = target

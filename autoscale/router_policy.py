@@ -42,6 +42,15 @@ stats are older than stats_stale_after_s keeps its last stats plus every request
 it since, and is ranked in tier 1: a replica too busy to answer the stats poll is more
 likely overloaded than idle.
 
+Cache affinity over the replicas' answers (`cache_affinity_first`), after sorting: the
+best-ranked replica holding the longest cached prefix of the prompt, if that is at least
+cache_affinity_threshold of it, goes first when it is in tier 0 and its score without the
+routed-work balance is within cache_affinity_slack of the leader's; where no replica holds
+any of it yet, the replica the affinity table last sent its key to (its first request may
+still be prefilling) is tried the same way. This is Ray's and SGLang's "route by cache
+match above a threshold, else balance by routed tokens", under our load guard: without it
+the balance term pulls a session's or a tenant's growing prefix off the replica that has it.
+
 Prefill work makes the score size-aware: a replica that was just sent two 6k-token prompts
 is further behind than one sent two 100-token prompts, and a replica that caches 6k tokens
 of this prompt saves that much prefill. Where the replicas' cache answers are known the
@@ -91,6 +100,7 @@ class ReplicaScore:
     eff_waiting: int
     eff_kv: float
     stale: bool
+    balance: float = 0.0  # the routed-work part of score (long-run balance, not queue)
 
 
 def prefix_hash(token_ids: Sequence[int], block_size: int, num_blocks: int) -> int | None:
@@ -205,9 +215,11 @@ def score_replicas(
             hit = 0 if cached_tokens is None else cached_tokens.get(rid, 0)
             own = max(0, prompt_tokens - hit)
             score += (correction.prefill_tokens + own) / per_waiting
+        balance = 0.0
         if work:
-            score += work_weight * (work.get(rid, 0.0) - least_work) / per_waiting
-        scores.append(ReplicaScore(rid, tier, score, eff_waiting, eff_kv, stale))
+            balance = work_weight * (work.get(rid, 0.0) - least_work) / per_waiting
+        scores.append(ReplicaScore(rid, tier, score + balance, eff_waiting, eff_kv, stale,
+                                   balance))
     return scores
 
 
@@ -238,10 +250,13 @@ def rank_replicas(
                             request_tokens, prompt_tokens, cached_tokens, routed_work)
     order = sorted(range(len(scores)), key=lambda i: (scores[i].tier, scores[i].score, i))
     ranked: list[R] = [candidates[i] for i in order]
+    if cached_tokens is not None and config.score_prefill_work:
+        pending = None if not affinity or prompt_prefix_hash is None else affinity.get(
+            prompt_prefix_hash)
+        return cache_affinity_first(ranked, scores, cached_tokens, prompt_tokens, config,
+                                    pending)
     if not (config.prefix_affinity and prompt_prefix_hash is not None and affinity):
         return ranked
-    if cached_tokens is not None and config.score_prefill_work:
-        return ranked  # the replicas' own cache answers already scored the prefix
     preferred = affinity.get(prompt_prefix_hash)
     if preferred is None or preferred not in candidates:
         return ranked
@@ -251,6 +266,32 @@ def rank_replicas(
     if pref.tier == TIER_OK and pref.score <= best.score + config.prefix_affinity_slack:
         ranked.remove(preferred)
         ranked.insert(0, preferred)
+    return ranked
+
+
+def cache_affinity_first(ranked: list[R], scores: Sequence[ReplicaScore],
+                         cached_tokens: Mapping[R, int], prompt_tokens: int,
+                         config: RouterConfig, recent: R | None = None) -> list[R]:
+    """Move the replica caching the longest share of the prompt to the front when that
+    share is at least cache_affinity_threshold, it is in tier 0, and its score is within
+    cache_affinity_slack of the best: Ray's and SGLang's "route by cache match above a
+    threshold", under our load guard. Sticking keeps a session's or tenant's growing
+    prefix on one replica; the score alone lets the routed-work balance pull it away."""
+    if not ranked or prompt_tokens <= 0 or config.cache_affinity_threshold > 1.0:
+        return ranked
+    best_hit = max(cached_tokens.get(r, 0) for r in ranked)
+    if best_hit > 0 and best_hit / prompt_tokens >= config.cache_affinity_threshold:
+        preferred = next(r for r in ranked if cached_tokens.get(r, 0) == best_hit)
+    elif recent is not None and recent in cached_tokens:
+        preferred = recent  # no replica holds it yet, but one was just sent this prefix
+    else:
+        return ranked
+    by_id = {s.replica_id: s for s in scores}
+    pref, lead = by_id[preferred], by_id[ranked[0]]
+    # queue against queue: the routed-work balance must not pull a prefix off its replica
+    if pref.tier == TIER_OK and (pref.score - pref.balance
+                                 <= lead.score - lead.balance + config.cache_affinity_slack):
+        return [preferred] + [r for r in ranked if r != preferred]
     return ranked
 
 
@@ -286,31 +327,6 @@ class PrefixAffinityTable(Generic[R]):
 
     def __len__(self) -> int:
         return len(self._table)
-
-
-class RoutedWorkMeter(Generic[R]):
-    """Prefill tokens this router sent each replica, decayed exponentially (no clock: times
-    are passed in). A replica that joins starts at 0 and is compared with the least-sent
-    one, so it takes extra work only until it catches up, never a flood."""
-
-    def __init__(self, half_life_s: float) -> None:
-        self._half_life_s = half_life_s
-        self._tokens: dict[R, tuple[float, float]] = {}  # replica -> (tokens, as of time)
-
-    def _decayed(self, entry: tuple[float, float], now: float) -> float:
-        tokens, at = entry
-        return tokens * 0.5 ** (max(0.0, now - at) / self._half_life_s)
-
-    def add(self, replica_id: R, tokens: int, now: float) -> None:
-        entry = self._tokens.get(replica_id)
-        base = 0.0 if entry is None else self._decayed(entry, now)
-        self._tokens[replica_id] = (base + tokens, now)
-
-    def snapshot(self, now: float) -> dict[R, float]:
-        return {rid: self._decayed(e, now) for rid, e in self._tokens.items()}
-
-    def forget_replica(self, replica_id: R) -> None:
-        self._tokens.pop(replica_id, None)
 
 
 class InFlightTracker(Generic[R]):

@@ -12,11 +12,12 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Generic
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.router_meters import RoutedWorkMeter
 from iterserve.autoscale.router_policy import (
+    Correction,
     InFlightTracker,
     PrefixAffinityTable,
     R,
-    RoutedWorkMeter,
     prefix_hash,
     rank_replicas,
 )
@@ -43,13 +44,17 @@ class KVRouterCore(Generic[R]):
 
     def rank(self, candidates: Sequence[R], loads: Mapping[R, ReplicaLoad | None],
              key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
-             cached_tokens: Mapping[R, int] | None = None) -> list[R]:
+             cached_tokens: Mapping[R, int] | None = None,
+             corrections: Mapping[R, Correction] | None = None) -> list[R]:
         """Candidates best first (`rank_replicas` with this router's state).
-        cached_tokens: the replicas' own prefix-cache answers for this prompt, if known."""
+        cached_tokens: the replicas' own prefix-cache answers for this prompt, if known.
+        corrections: in-flight corrections from elsewhere (None: this router's tracker)."""
+        if corrections is None:
+            corrections = self.in_flight.corrections(loads)
         return rank_replicas(
             candidates=candidates,
             loads=loads,
-            in_flight_corrections=self.in_flight.corrections(loads),
+            in_flight_corrections=corrections,
             config=self.config,
             prompt_prefix_hash=key,
             affinity=self.affinity.as_mapping(),

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_policies import IterserveRouter
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
@@ -54,10 +54,12 @@ class PowerOfTwo:
 
 ARM_ROUTERS = {
     "pow2 (Ray default)": lambda period: PowerOfTwo(),
+    # as the Ray adapter runs: no replica cache answers (replicas do not report block hashes)
     "KVAware": lambda period: IterserveRouter(RouterConfig(prefix_affinity=False,
-                                                           routing_stats_period_s=period)),
+                                                           routing_stats_period_s=period),
+                                              use_replica_cache=False),
     "KVAware + prefix": lambda period: IterserveRouter(RouterConfig(
-        prefix_affinity=True, routing_stats_period_s=period)),
+        prefix_affinity=True, routing_stats_period_s=period), use_replica_cache=False),
 }
 
 

@@ -90,6 +90,21 @@ def test_no_scale_down_when_the_remaining_replicas_would_run_hot():
     assert run(t) == [2, 2]
 
 
+def test_no_scale_down_that_would_spend_the_burst_headroom():
+    # KV and queues idle, but 3 replicas each running 6 sequences: 9 each on two replicas,
+    # above low_running_per_replica (8): the spare concurrency for a burst stays
+    cfg = AutoscaleConfig(**{**CFG.model_dump(), "low_running_per_replica": 8.0})
+    busy = [ReplicaSignal(0.05, 0, num_running=6)] * 3
+    assert run([(0.0, busy, 3, 3), (100.0, busy, 3, 3)], cfg) == [3, 3]
+    # 5 each -> 7.5 on two: at most 8, so one goes after the delay
+    calm = [ReplicaSignal(0.05, 0, num_running=5)] * 3
+    assert run([(0.0, calm, 3, 3), (10.0, calm, 3, 3)], cfg) == [3, 2]
+    # the last replica is never 'underloaded' while it runs anything
+    one = [ReplicaSignal(0.0, 0, num_running=1)]
+    cfg0 = AutoscaleConfig(**{**cfg.model_dump(), "min_replicas": 0})
+    assert run([(0.0, one, 1, 1), (100.0, one, 1, 1)], cfg0) == [1, 1]
+
+
 def test_bounds():
     cfg = AutoscaleConfig(min_replicas=2, max_replicas=3, upscale_delay_s=0,
                           downscale_delay_s=0)

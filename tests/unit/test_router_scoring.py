@@ -323,7 +323,7 @@ def test_prefill_work_counts_the_size_of_unseen_prompts():
 
 def test_replica_cache_answers_replace_affinity():
     loads = {"a": load(kv=0.2), "b": load(kv=0.1)}
-    # b holds 6000 of the 7000-token prompt: 6000 / 1024 waiting-equivalents saved
+    # b holds 6000 of the 7000-token prompt: 6000 / 512 waiting-equivalents saved
     cached = {"a": 0, "b": 6000}
     assert rank_replicas(["a", "b"], loads, {}, CFG, prompt_tokens=7000,
                          cached_tokens=cached)[0] == "b"
@@ -332,13 +332,13 @@ def test_replica_cache_answers_replace_affinity():
                          prompt_prefix_hash=7, affinity={7: "a"}, prompt_tokens=7000,
                          cached_tokens={"a": 0, "b": 6000})[0] == "b"
     # but load still wins over a cache hit when the cached replica is far behind
-    busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=9)}
+    busy = {"a": load(kv=0.1), "b": load(kv=0.3, waiting=20)}
     assert rank_replicas(["a", "b"], busy, {}, CFG, prompt_tokens=7000,
                          cached_tokens=cached)[0] == "a"
 
 
 def test_routed_work_meter_decays_and_balances_what_stats_cannot_show():
-    from iterserve.autoscale.router_policy import RoutedWorkMeter
+    from iterserve.autoscale.router_meters import RoutedWorkMeter
 
     meter: RoutedWorkMeter[str] = RoutedWorkMeter(half_life_s=5.0)
     meter.add("a", 4096, now=0.0)
