@@ -68,6 +68,15 @@ def check_contiguous(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
 
 
+def check_work_list(name: str, work: object, device: torch.device) -> None:
+    """A work list (work_lists.py): a contiguous [P, 2] index tensor on the launch's device."""
+    check_tensor(name, work, ndim=2, dtypes=INDEX_DTYPES)
+    check_shape(name, work, (work.shape[0], 2))
+    check_contiguous(name, work)
+    if work.device != device:
+        raise ValueError(f"{name} must be on {device}, got {work.device}")
+
+
 def check_device(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device; CUDA unless the interpreter runs (it also takes CPU tensors)."""
     devices = {t.device for t in tensors.values()}

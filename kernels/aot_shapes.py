@@ -22,6 +22,7 @@ from iterserve.kernels.norm import rms_norm_kernel
 from iterserve.kernels.paged_attention import batch_launches
 from iterserve.kernels.rotary import rotary_embedding_kernel
 from iterserve.kernels.split_kv import SPLIT_COUNTS
+from iterserve.kernels.work_lists import prefill_work, split_work
 
 # (head_dim, group, kv heads, model): the head layouts of the models the engine serves.
 MODEL_HEADS = [
@@ -70,11 +71,17 @@ def attention_launches(
     block_size: int,
     split_counts: tuple[int, ...],
 ) -> Iterator[tuple[str, Launch]]:
-    """Decode, chunk (one and several chunks) and split-KV launches of one head layout."""
+    """Decode, chunk (one and several chunks) and split-KV launches of one head layout; the
+    chunk launch and split-KV stage 1 also over the eager step's host-built work lists."""
     tag = f"D={head_dim},G={group},B={block_size},{dtype}"
     mixed = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [1] * 64 + [512, 300])
     for launch in batch_launches(**mixed, num_decodes=64, num_kv_splits=1):
         yield f"{launch.name}[{tag}]", launch
+    # Eager steps: the chunk launch over a host-built, heaviest-first work list.
+    work = torch.from_numpy(prefill_work(mixed["query_start_loc"][64:].numpy(),
+                                         mixed["seq_lens"][64:].numpy(), group))
+    *_, chunks = batch_launches(**mixed, num_decodes=64, num_kv_splits=1, prefill_work=work)
+    yield f"{chunks.name}[{tag},work list]", chunks
     one_chunk = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [2048])
     (launch,) = batch_launches(**one_chunk, num_decodes=0, num_kv_splits=1)
     yield f"{launch.name}[{tag},1 chunk]", launch
@@ -82,6 +89,10 @@ def attention_launches(
         small = _batch(head_dim, group, num_kv_heads, DTYPES[dtype], block_size, [1] * 2)
         for launch in batch_launches(**small, num_decodes=2, num_kv_splits=splits):
             yield f"{launch.name}[{tag},splits={splits}]", launch
+        # Eager steps: stage 1 over a host-built work list (the reduce is the same launch).
+        work = torch.from_numpy(split_work(small["seq_lens"].numpy(), splits, head_dim))
+        stage1, _ = batch_launches(**small, num_decodes=2, num_kv_splits=splits, split_work=work)
+        yield f"{stage1.name}[{tag},splits={splits},work list]", stage1
 
 
 def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]:
@@ -95,7 +106,8 @@ def small_launches(dtype: torch.dtype, tag: str) -> Iterator[tuple[str, Launch]]
              hidden, hidden if add else 0, hidden, 1e-5),
             {"ADD_RESIDUAL": add, "BLOCK": block}, elementwise_num_warps(block), 3,
         )  # fmt: skip
-    # Positions and slots: int64 from the eager step, int32 from the packed CUDA-graph inputs.
+    # Positions and slots: int32 from the engine (both its packed input buffers), int64 from
+    # direct callers of the launchers.
     for (num_heads, num_kv_heads, head_dim), index in [
         ((32, 8, 128), torch.int64), ((32, 8, 128), torch.int32), ((32, 8, 64), torch.int64)
     ]:

@@ -14,11 +14,14 @@ Each program owns BLOCK_M = BLOCK_Q * GROUP (padded) rows, the M dimension of bo
 each K/V tile is loaded once per head group and tl.dot runs on tensor cores even for one
 decode token. The KV loop walks TILE_N-token tiles independent of the cache block size.
 
-Chunk programs are mapped to (sequence, query block) without a host sync: chunk i of the
-launch owns program ids [(qsl[i] - qsl[0]) // BLOCK_Q + i, ...), at least cdiv(q_len,
-BLOCK_Q) of them, so (T - num_decodes) // BLOCK_Q + S - num_decodes programs cover the chunks.
-A program finds its chunk by binary search; within a chunk the last (heaviest, it sees the
-most keys) query block runs first, so the long programs do not land in the tail.
+Chunk programs are mapped to (sequence, query block) one of two ways (HAS_WORK_LIST):
+- the eager step's host-built work list (work_lists.prefill_work): one program per query
+  block, heaviest first across every chunk of the batch (a block costs the keys it sees),
+  so the long programs start first and the short ones fill the tail; no spare programs.
+- without one (direct callers; no host lengths needed): chunk i owns program ids
+  [(qsl[i] - qsl[0]) // BLOCK_Q + i, ...), at least cdiv(q_len, BLOCK_Q) of them, so
+  (T - num_decodes) // BLOCK_Q + S - num_decodes programs cover the chunks; a program finds
+  its chunk by binary search, and within a chunk the last (heaviest) block runs first.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from iterserve.kernels._common import (
     check_out,
     check_shape,
     check_tensor,
+    check_work_list,
     dot_dtype,
     next_power_of_2,
 )
 from iterserve.kernels.attention_core import LOG2E, attend_range, check_paged_args
 from iterserve.kernels.launch import Launch
 from iterserve.kernels.split_kv import MAX_SPLITS, split_kv_launches
+from iterserve.kernels.work_lists import kv_tile, prefill_block_m, prefill_block_q
 
 
 @triton.jit
@@ -72,6 +77,7 @@ def paged_attention_kernel(
     query_start_loc_ptr: tl.tensor,  # [S + 1] of this launch's sequences
     seq_lens_ptr: tl.tensor,  # [S]
     block_tables_ptr: tl.tensor,  # [S, M]
+    work_ptr: tl.tensor,  # [P, 2] (chunk, query block) per program, read only with HAS_WORK_LIST
     scale_log2: tl.tensor,  # softmax scale * log2(e): the kernel works in exp2
     num_seqs: tl.tensor,
     stride_q_t: tl.tensor,
@@ -83,6 +89,7 @@ def paged_attention_kernel(
     stride_cache_h: tl.tensor,
     stride_bt_s: tl.tensor,
     IS_DECODE: tl.constexpr,
+    HAS_WORK_LIST: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -99,6 +106,12 @@ def paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = 1
         q_block = 0
+    elif HAS_WORK_LIST:  # program pid runs the pid-th heaviest query block of the batch
+        item = work_ptr + pid.to(tl.int64) * 2
+        seq = tl.load(item)
+        q_block = tl.load(item + 1)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     else:
         seq = find_seq_idx(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -156,11 +169,6 @@ def paged_attention_kernel(
     )
 
 
-def kv_tile(head_dim: int) -> int:
-    """Tokens per K/V tile: 32 KB of bf16 K+V per pipeline stage for any head_dim <= 128."""
-    return 64 if head_dim <= 128 else 32
-
-
 def decode_config(group: int, head_dim: int) -> dict[str, int]:
     """Decode programs: the smallest M tile, 5 stages (K/V two tiles ahead, ids three)."""
     return {
@@ -174,10 +182,9 @@ def decode_config(group: int, head_dim: int) -> dict[str, int]:
 
 def prefill_config(group: int, head_dim: int) -> dict[str, int]:
     """Chunk programs: 128 rows (compute-bound), K/V two tiles ahead as for decode."""
-    block_m = max(128, next_power_of_2(group))
     return {
-        "BLOCK_M": block_m,
-        "BLOCK_Q": block_m // group,
+        "BLOCK_M": prefill_block_m(group),
+        "BLOCK_Q": prefill_block_q(group),  # what work_lists.prefill_work cuts chunks by
         "TILE_N": kv_tile(head_dim),
         "num_warps": 8,
         "num_stages": 5,
@@ -196,25 +203,33 @@ def paged_launch(
     scale: float,
     num_tokens: int,  # query tokens of the launched sequences
     is_decode: bool,
+    work: torch.Tensor | None = None,  # [P, 2] chunk launch only, from work_lists.prefill_work
 ) -> Launch:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     cfg = (decode_config if is_decode else prefill_config)(group, head_dim)
-    programs = num_seqs if is_decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
+    if is_decode:
+        programs = num_seqs
+    elif work is None:
+        programs = num_tokens // cfg["BLOCK_Q"] + num_seqs
+    else:
+        programs = work.shape[0]
     return Launch(
         name=name,
         kernel=paged_attention_kernel,
         grid=(programs, num_kv_heads),
         args=(
             out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+            seq_lens if work is None else work,  # never read without a work list
             float(scale) * LOG2E, num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         ),  # fmt: skip
         constexprs={
             "IS_DECODE": is_decode,
+            "HAS_WORK_LIST": work is not None,
             "GROUP": group,
             "BLOCK_Q": cfg["BLOCK_Q"],
             "BLOCK_M": cfg["BLOCK_M"],
@@ -240,6 +255,8 @@ def batch_launches(
     scale: float,
     num_decodes: int,
     num_kv_splits: int,
+    split_work: torch.Tensor | None = None,  # [P, 2] (decode, split), work_lists.split_work
+    prefill_work: torch.Tensor | None = None,  # [P, 2] (chunk, q block), work_lists.prefill_work
 ) -> list[Launch]:
     """The launches of one flat batch: its decode part, then its chunk part (each if any)."""
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
@@ -247,7 +264,7 @@ def batch_launches(
     if num_decodes > 0 and num_kv_splits > 1:
         launches += split_kv_launches(
             out[:num_decodes], query[:num_decodes], k_cache, v_cache,
-            seq_lens[:num_decodes], block_tables[:num_decodes], scale, num_kv_splits,
+            seq_lens[:num_decodes], block_tables[:num_decodes], scale, num_kv_splits, split_work,
         )  # fmt: skip
     elif num_decodes > 0:
         launches.append(paged_launch(
@@ -255,11 +272,11 @@ def batch_launches(
             query_start_loc[: num_decodes + 1], seq_lens[:num_decodes],
             block_tables[:num_decodes], scale, num_decodes, True,
         ))  # fmt: skip
-    if num_decodes < num_seqs:
+    if num_decodes < num_seqs and (prefill_work is None or prefill_work.shape[0] > 0):
         launches.append(paged_launch(
             "paged_attention.prefill", out, query, k_cache, v_cache,
             query_start_loc[num_decodes:], seq_lens[num_decodes:], block_tables[num_decodes:],
-            scale, num_tokens - num_decodes, False,
+            scale, num_tokens - num_decodes, False, prefill_work,
         ))  # fmt: skip
     return launches
 
@@ -275,6 +292,8 @@ def paged_attention(
     *,
     num_decodes: int = 0,
     num_kv_splits: int = 1,
+    split_work: torch.Tensor | None = None,  # [P, 2] int32, see below
+    prefill_work: torch.Tensor | None = None,  # [P, 2] int32, see below
     out: torch.Tensor | None = None,  # [T, Hq, D], optional preallocated output
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a ragged batch over the paged cache (see reference.paged_attention).
@@ -287,7 +306,11 @@ def paged_attention(
     hold exactly one query token each, tokens 0 .. num_decodes - 1; they run as the decode
     launch, split num_kv_splits ways across their context when num_kv_splits > 1
     (choose_num_splits). With the defaults every sequence runs as a chunk: correct for any
-    batch.
+    batch. split_work: the eager step's host-built list of the decode part's non-empty splits
+    (work_lists.split_work of seq_lens[:num_decodes], num_kv_splits and head_dim): split-KV
+    then launches exactly those; None (CUDA graphs) keeps the static grid. prefill_work: the
+    same for the chunk part (work_lists.prefill_work of query_start_loc[num_decodes:],
+    seq_lens[num_decodes:] and the group): one program per query block, heaviest first.
     """
     device = check_paged_args(query, k_cache, v_cache, seq_lens, block_tables, scale)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
@@ -299,12 +322,15 @@ def paged_attention(
         raise ValueError(f"num_decodes must be in [0, {min(num_seqs, num_tokens)}], got {num_decodes}")
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits must be an int in [1, {MAX_SPLITS}], got {num_kv_splits!r}")
+    for name, work in (("split_work", split_work), ("prefill_work", prefill_work)):
+        if work is not None:
+            check_work_list(name, work, device)
     out = check_out(out, tuple(query.shape), query.dtype, device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     for launch in batch_launches(
         out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-        num_decodes, num_kv_splits,
+        num_decodes, num_kv_splits, split_work, prefill_work,
     ):  # fmt: skip
         launch.run()
     return out

@@ -2,12 +2,17 @@
 
 A decode batch of S sequences gives the decode kernel only S * Hkv programs; with few
 sequences that leaves SMs idle while one program walks a long context. Here stage 1 splits
-each sequence's context into NUM_SPLITS ranges (grid S x Hkv x NUM_SPLITS), each writing a
-normalised partial output and its log-sum-exp to fp32 scratch; stage 2 merges the partials
-with the LSE rule. The split length is each sequence's own cdiv(seq_len, NUM_SPLITS) rounded
-up to whole tiles, so the grid is fixed per launch (CUDA-graph friendly): the longest
-sequence fills every split and shorter ones leave trailing splits empty (their programs
-return at once, and stage 2 never reads them).
+each sequence's context into up to NUM_SPLITS ranges, each program writing a normalised
+partial output and its log-sum-exp to fp32 scratch; stage 2 merges the partials with the
+LSE rule. The split length is each sequence's own cdiv(seq_len, NUM_SPLITS) rounded up to
+whole tiles, so a short sequence fills only its first few splits (work_lists.active_splits).
+
+Two grids for stage 1, one compiled variant each (HAS_WORK_LIST):
+- eager steps pass a host-built work list (work_lists.split_work): one program per
+  non-empty (sequence, split) x KV head, longest sequences first; no program is idle.
+- CUDA graphs need a grid that does not change between replays, so without a work list the
+  grid is the static S x Hkv x NUM_SPLITS: a short sequence's trailing splits are empty and
+  their programs return at once. Stage 2 never reads an empty split in either case.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from iterserve.kernels._common import (
     cdiv,
     check_out,
     check_shape,
+    check_work_list,
     dot_dtype,
     next_power_of_2,
     num_sms,
 )
 from iterserve.kernels.attention_core import LOG2E, attend_range, check_paged_args
 from iterserve.kernels.launch import Launch
+from iterserve.kernels.work_lists import kv_tile
 
 MAX_SPLITS = 64
 # The split counts choose_num_splits can return: what aot.py compiles.
@@ -34,7 +41,6 @@ SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_TOKENS_PER_SPLIT = 64
 # Resident decode programs per SM the split count aims at (decode runs >= 3 CTAs per SM).
 TARGET_PROGRAMS_PER_SM = 3
-DECODE_TILE_N = 64
 DECODE_NUM_STAGES = 5
 
 
@@ -42,7 +48,7 @@ DECODE_NUM_STAGES = 5
 def split_range(
     seq_len: tl.tensor, split: tl.tensor, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Token range [start, end) of one split; both kernels must agree on it."""
+    """Token range [start, end) of one split; both kernels and work_lists.split_lengths agree."""
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     per_split = tl.maximum(per_split, TILE_N)  # never 0, even for an empty sequence
     start = split * per_split
@@ -59,6 +65,7 @@ def split_kv_decode_kernel(
     v_cache_ptr: tl.tensor,  # [N, B, Hkv, D]
     seq_lens_ptr: tl.tensor,  # [S]
     block_tables_ptr: tl.tensor,  # [S, M]
+    work_ptr: tl.tensor,  # [P, 2] (sequence, split) per program, read only with HAS_WORK_LIST
     scale_log2: tl.tensor,
     stride_q_s: tl.tensor,
     stride_q_h: tl.tensor,
@@ -73,15 +80,21 @@ def split_kv_decode_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_WORK_LIST: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ) -> None:
-    seq = tl.program_id(0).to(tl.int64)
+    if HAS_WORK_LIST:  # grid (P, Hkv): program i runs the i-th non-empty split
+        item = work_ptr + tl.program_id(0).to(tl.int64) * 2
+        seq = tl.load(item).to(tl.int64)
+        split = tl.load(item + 1)
+    else:  # static grid (S, Hkv, NUM_SPLITS), for CUDA graphs
+        seq = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(2)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end, per_split = split_range(seq_len, split, NUM_SPLITS, TILE_N)
     if start >= end:
-        return  # empty split: the reduce kernel skips it
+        return  # empty split (static grid only): the reduce kernel skips it
 
     # Rows are the GROUP query heads of this KV head (padded to BLOCK_M for tl.dot).
     rows = tl.arange(0, BLOCK_M)
@@ -217,20 +230,25 @@ def split_kv_launches(
     block_tables: torch.Tensor,  # [S, M]
     scale: float,
     num_splits: int,
+    work: torch.Tensor | None = None,  # [P, 2] int32 from work_lists.split_work, or None
 ) -> list[Launch]:
-    """Stage 1 and the reduce, as launches (the launcher runs them, aot.py compiles them)."""
+    """Stage 1 and the reduce, as launches (the launcher runs them, aot.py compiles them).
+
+    With a work list stage 1 launches its P items (none when P = 0); without, the static grid.
+    """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
-    tile_n = DECODE_TILE_N if head_dim <= 128 else DECODE_TILE_N // 2
+    tile_n = kv_tile(head_dim)
     partial_out, partial_lse = alloc_scratch(num_seqs, num_heads, num_splits, block_d, query.device)
     stage1 = Launch(
         name="split_kv_decode",
         kernel=split_kv_decode_kernel,
-        grid=(num_seqs, num_kv_heads, num_splits),
+        grid=(num_seqs, num_kv_heads, num_splits) if work is None else (work.shape[0], num_kv_heads, 1),
         args=(
             partial_out, partial_lse, query, k_cache, v_cache, seq_lens, block_tables,
+            seq_lens if work is None else work,  # never read without a work list
             float(scale) * LOG2E, query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         ),  # fmt: skip
@@ -242,6 +260,7 @@ def split_kv_launches(
             "TILE_N": tile_n,
             "BLOCK_SIZE": k_cache.shape[1],
             "NUM_SPLITS": num_splits,
+            "HAS_WORK_LIST": work is not None,
             "DOT_DTYPE": dot_dtype(k_cache.dtype),
         },
         num_warps=4,
@@ -256,7 +275,7 @@ def split_kv_launches(
         num_warps=4,
         num_stages=2,
     )
-    return [stage1, reduce]
+    return [reduce] if work is not None and work.shape[0] == 0 else [stage1, reduce]
 
 
 def paged_decode_attention_split_kv(
@@ -268,13 +287,15 @@ def paged_decode_attention_split_kv(
     scale: float,
     num_splits: int | None = None,
     *,
+    work: torch.Tensor | None = None,  # [P, 2] from work_lists.split_work(seq_lens, num_splits)
     out: torch.Tensor | None = None,  # [S, Hq, D], optional preallocated output
 ) -> torch.Tensor:  # [S, Hq, D]
     """Decode attention with the context split across programs (flash-decoding).
 
     Same result as paged_attention with query_start_loc = arange(S + 1). With num_splits=None
     the split count comes from choose_num_splits, bounding the context length by the block
-    table's capacity (M * B) since the true maximum would need a device sync.
+    table's capacity (M * B) since the true maximum would need a device sync. `work`, built
+    on the host for these seq_lens and this split count, launches only the non-empty splits.
     """
     device = check_paged_args(query, k_cache, v_cache, seq_lens, block_tables, scale)
     num_seqs, num_heads, head_dim = query.shape
@@ -285,9 +306,13 @@ def paged_decode_attention_split_kv(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, num_sms(device))
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if work is not None:
+        check_work_list("work", work, device)
     out = check_out(out, tuple(query.shape), query.dtype, device)
     if num_seqs == 0:
         return out
-    for launch in split_kv_launches(out, query, k_cache, v_cache, seq_lens, block_tables, scale, num_splits):
+    for launch in split_kv_launches(
+        out, query, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, work
+    ):
         launch.run()
     return out

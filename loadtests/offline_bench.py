@@ -16,7 +16,9 @@
    SmolLM2-135M-Instruct: iterserve continuous and static, HF transformers `generate` in padded
    batches, and transformers' continuous batching, side by side. The contenders alternate
    (A B C D, A B C D, ...) so that noise from other processes hits all alike; min and median
-   per contender are reported, with the torch threads each used.
+   per contender are reported, with the torch threads each used. With --vllm-python, vLLM's
+   CPU build joins them from its own venv (see offline_bench_vllm.py), with its default
+   thread binding and with its compute threads bound to every core.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +38,8 @@ from iterserve.loadtests.offline_bench_hf import (
     hf_continuous,
     hf_generate,
     load_hf_model,
+    prepare_vllm_inputs,
+    vllm_cpu,
 )
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig, SchedulerConfig
@@ -171,6 +176,14 @@ def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dic
         runs["hf generate"] = lambda: hf_generate(hf, workload, args.concurrency)
         runs["hf continuous"] = lambda: hf_continuous(hf, workload, args.concurrency,
                                                       MAX_BATCHED_TOKENS)
+    if args.vllm_python:
+        hf = load_hf_model(resolve_model_path(args.model))
+        model_dir, workload_file = prepare_vllm_inputs(
+            hf, resolve_model_path(args.model), workload, Path(args.vllm_workdir))
+        del hf
+        for name, bind in (("vllm default", None), ("vllm all cores", f"0-{args.threads - 1}")):
+            runs[name] = lambda bind=bind: vllm_cpu(args.vllm_python, model_dir, workload_file,
+                                                    args.concurrency, MAX_BATCHED_TOKENS, bind)
     return runs
 
 
@@ -205,6 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=None,
                         help="comma-separated contenders to run (continuous,static,hf generate,...)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser.add_argument("--vllm-python", default=None,
+                        help="interpreter of a venv with vllm-cpu: adds vLLM's CPU build, with "
+                             "its default thread binding and bound to every core")
+    parser.add_argument("--vllm-workdir", default="/tmp/iterserve-vllm-bench",
+                        help="where the fp32 checkpoint and workload for vLLM are written")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "

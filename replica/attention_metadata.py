@@ -19,7 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [S, M] int32, padded with 0 past each sequence's blocks
-    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset; -1 for padding
+    slot_mapping: torch.Tensor  # [T] int32 (int64 also taken), block * B + offset; -1 pads
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool  # every query length is 1
@@ -28,6 +28,13 @@ class AttentionMetadata:
     # split num_kv_splits ways across the context (flash-decoding) when > 1.
     num_decodes: int = 0
     num_kv_splits: int = 1
+    # Eager steps only: [P, 2] int32, the decode part's non-empty (sequence, split) pairs
+    # (kernels/work_lists.split_work), so split-KV launches no idle program. None under CUDA
+    # graphs, whose grid must stay the same between replays.
+    split_work: torch.Tensor | None = None
+    # [P, 2] int32, the chunk part's (chunk, query block) pairs heaviest first across chunks
+    # (kernels/work_lists.prefill_work). Chunks never run under CUDA graphs.
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

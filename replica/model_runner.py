@@ -25,6 +25,7 @@ from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prom
 from iterserve.replica.request import Request
 from iterserve.replica.runner_base import CompletedStep, StepHandle
 from iterserve.replica.sampler import Sampler, index_on_device
+from iterserve.replica.step_inputs import PackedStepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)
         ]
+        self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
@@ -188,11 +190,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return None
         prepared = prepare_inputs(scheduler_output, self.block_size)
-        hidden = self._forward(prepared)  # [T, hidden]
+        hidden, indices = self._forward(prepared)  # [T, hidden], [num_sampling]
         self._score_prompt_logprobs(scheduler_output, prepared, hidden, scored)
         if not prepared.sample_rows:
             return None
-        indices = self._to_device(prepared.logits_indices)
         logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
         return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
 
@@ -210,14 +211,6 @@ class ModelRunner:
         inputs that are still placeholders are filled from them, in stream order."""
         self._last_sampled = token_ids
         self._last_sampled_row = {r.request_id: i for i, r in enumerate(requests)}
-
-    def _input_ids(self, prepared: PreparedInputs) -> torch.Tensor:  # -> [T] on the device
-        input_ids = self._to_device(prepared.input_ids)
-        pending = self._pending_inputs(prepared)
-        if pending is not None:
-            where, token_ids = pending
-            input_ids[where] = token_ids
-        return input_ids
 
     def _pending_inputs(self, prepared: PreparedInputs
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -245,29 +238,62 @@ class ModelRunner:
         return choose_num_splits(num_decodes, self.model_config.num_key_value_heads,
                                  max_decode_seq_len, self.num_sms)
 
-    def _attention_launch_hints(self, prepared: PreparedInputs) -> dict[str, int]:
-        """num_decodes / num_kv_splits from the host arrays: the decode part alone decides."""
+    def _attention_launch_plan(self, prepared: PreparedInputs
+                               ) -> tuple[int, int, dict[str, np.ndarray]]:
+        """The Triton attention's launch hints from the host arrays: num_decodes, the split-KV
+        ways from the decode part alone, and the work lists (host [P, 2] arrays): split_work
+        (split-KV programs only for non-empty splits), prefill_work (heaviest blocks first)."""
         num_decodes = count_leading_decodes(prepared.query_start_loc)
-        longest = int(prepared.seq_lens[:num_decodes].max()) if num_decodes else 0
-        return {"num_decodes": num_decodes,
-                "num_kv_splits": self._decode_kv_splits(num_decodes, longest) if num_decodes else 1}
+        decode_lens = prepared.seq_lens[:num_decodes]
+        splits = self._decode_kv_splits(num_decodes, int(decode_lens.max())) if num_decodes else 1
+        work: dict[str, np.ndarray] = {}
+        if self.attention_backend != "triton":
+            return num_decodes, splits, work
+        from iterserve.kernels import work_lists
 
-    def _forward(self, prepared: PreparedInputs) -> torch.Tensor:
+        mc = self.model_config
+        if splits > 1:
+            work["split_work"] = work_lists.split_work(decode_lens, splits, mc.head_dim)
+        if num_decodes < prepared.seq_lens.shape[0]:
+            work["prefill_work"] = work_lists.prefill_work(
+                prepared.query_start_loc[num_decodes:], prepared.seq_lens[num_decodes:],
+                mc.num_attention_heads // mc.num_key_value_heads)
+        return num_decodes, splits, work
+
+    def _forward(self, prepared: PreparedInputs
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # -> [T, hidden], [num_sampling]
         if self.graphs is not None and prepared.is_decode_only and self.graphs.can_run(prepared):
-            return self.graphs.run(prepared, self._pending_inputs(prepared))
-        to_device = self._to_device
+            hidden = self.graphs.run(prepared, self._pending_inputs(prepared))
+            return hidden, self._to_device(prepared.logits_indices)
+        num_decodes, num_kv_splits, work = self._attention_launch_plan(prepared)
+        pending = {"pending_where": np.asarray(prepared.pending_token_indices),
+                   "pending_rows": np.asarray([self._last_sampled_row[rid]
+                                               for rid in prepared.pending_request_ids])}
+        inputs = self.step_inputs.upload({
+            "input_ids": prepared.input_ids, "positions": prepared.positions,
+            "slot_mapping": prepared.slot_mapping, "query_start_loc": prepared.query_start_loc,
+            "seq_lens": prepared.seq_lens, "block_tables": prepared.block_tables,
+            "logits_indices": prepared.logits_indices, **pending, **work,
+        })  # every index input in one host-to-device copy, int32 views of one buffer
         attn = AttentionMetadata(
-            query_start_loc=to_device(prepared.query_start_loc),
-            seq_lens=to_device(prepared.seq_lens),
-            block_tables=to_device(prepared.block_tables),
-            slot_mapping=to_device(prepared.slot_mapping),
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
             is_decode_only=prepared.is_decode_only,
-            **self._attention_launch_hints(prepared),
+            num_decodes=num_decodes,
+            num_kv_splits=num_kv_splits,
+            split_work=inputs.get("split_work"),
+            prefill_work=inputs.get("prefill_work"),
         )
-        positions = to_device(prepared.positions)
-        return self.model(self._input_ids(prepared), positions, self.kv_caches, attn)
+        input_ids = inputs["input_ids"]  # [T]
+        if prepared.pending_token_indices:  # async scheduling: ids the last step is sampling
+            sampled = self._last_sampled[inputs["pending_rows"]]
+            input_ids[inputs["pending_where"]] = sampled.to(torch.int32)
+        hidden = self.model(input_ids, inputs["positions"], self.kv_caches, attn)
+        return hidden, inputs["logits_indices"]
 
 
 class ScoredStep:

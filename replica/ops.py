@@ -19,8 +19,9 @@ BACKENDS = ("torch", "triton")
 class Ops:
     """The kernels a Llama-family forward needs; signatures are kernels/reference.py's.
 
-    paged_attention also takes the keyword-only launch hints num_decodes and num_kv_splits
-    (AttentionMetadata); the torch reference ignores them (they change launches, not math).
+    paged_attention also takes the keyword-only launch hints num_decodes, num_kv_splits,
+    split_work and prefill_work (AttentionMetadata); the torch reference ignores them (they
+    change launches, not math).
     """
 
     name: str
@@ -47,7 +48,8 @@ def _from_module(name: str, module: ModuleType) -> Ops:
 
 def _ignoring_launch_hints(attention: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(attention)
-    def paged_attention(*args: Any, num_decodes: int = 0, num_kv_splits: int = 1) -> Any:
+    def paged_attention(*args: Any, num_decodes: int = 0, num_kv_splits: int = 1,
+                        split_work: Any = None, prefill_work: Any = None) -> Any:
         return attention(*args)
 
     return paged_attention

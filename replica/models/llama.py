@@ -69,7 +69,9 @@ class LlamaAttention(nn.Module):
         self.ops.write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens,
                                        attn.block_tables, self.scale, num_decodes=attn.num_decodes,
-                                       num_kv_splits=attn.num_kv_splits)  # [T, Hq, D]
+                                       num_kv_splits=attn.num_kv_splits,
+                                       split_work=attn.split_work,
+                                       prefill_work=attn.prefill_work)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -78,6 +78,12 @@ def test_every_head_dim_and_split_count_is_compiled(compiled: list[dict[str, obj
         assert any(n.startswith(f"paged_attention.decode[D={head_dim},") for n in names), head_dim
     for splits in SPLIT_COUNTS[1:]:
         assert any(n.startswith("split_kv_decode") and f"splits={splits}]" in n for n in names), splits
+        # ... and over the eager step's work list (only non-empty splits launched).
+        assert any(n.startswith("split_kv_decode") and f"splits={splits},work list]" in n for n in names)
+    # The chunk launch over the eager step's heaviest-first work list, for every head layout.
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        assert any(n.startswith(f"paged_attention.prefill[D={head_dim},") and n.endswith(",work list]")
+                   for n in names), head_dim
 
 
 @pytest.mark.slow

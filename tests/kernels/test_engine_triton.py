@@ -32,7 +32,26 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(
         from iterserve.replica.model_runner import ModelRunner
 
         monkeypatch.setattr(ModelRunner, "_decode_kv_splits", lambda *args: forced_splits)
+    built = _count_work_lists(monkeypatch)
     assert _greedy("triton") == want
+    # The eager steps ran over host-built work lists: chunks always, split-KV when it split.
+    assert built["prefill_work"] > 0
+    assert (built["split_work"] > 0) == (forced_splits is not None)
+
+
+def _count_work_lists(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    from iterserve.kernels import work_lists
+
+    built = {"prefill_work": 0, "split_work": 0}
+    for name in built:
+        original = getattr(work_lists, name)
+
+        def counting(*args: object, _name: str = name, _original: object = original) -> object:
+            built[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(work_lists, name, counting)
+    return built
 
 
 def test_unsupported_head_dim_is_refused_at_engine_start(tmp_path: Path) -> None:
