@@ -147,7 +147,11 @@ def _sse(payload: str) -> str:
 
 async def _sse_events(chunks: AsyncIterator[str], stream: AsyncIterator[Indexed]
                       ) -> AsyncIterator[str]:
-    """Wrap chunk JSON into SSE; errors become an error event; always closes the engine."""
+    """Wrap chunk JSON into SSE; errors become an error event; always closes the engine.
+
+    The stream ends with `data: [DONE]` after an error event too, as vLLM's does: clients
+    that read until [DONE] (the OpenAI SDK) stop cleanly instead of waiting on a cut socket.
+    A client that went away (CancelledError, GeneratorExit) gets nothing more."""
     try:
         async for chunk in chunks:
             yield _sse(chunk)
@@ -158,11 +162,10 @@ async def _sse_events(chunks: AsyncIterator[str], stream: AsyncIterator[Indexed]
         if http_error.status_code >= 500:
             logger.warning("stream failed: %s", type(error).__name__)
         yield _sse(json.dumps(http_error.body()))
-    else:
-        yield _sse("[DONE]")
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
         await stream.aclose()  # type: ignore[attr-defined]
+    yield _sse("[DONE]")
 
 
 def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:

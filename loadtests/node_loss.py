@@ -1,7 +1,8 @@
 """Node loss under streaming load: a two-node Ray cluster on this machine, one LLMReplica per
 node, the worker node's raylet killed mid-load, then the node brought back.
 
-    python -m iterserve.loadtests.node_loss [--clients 8] [--max-tokens 150] [--json out.json]
+    python -m iterserve.loadtests.node_loss [--clients 8] [--max-tokens 150] [--probe-clients 8]
+        [--autoscale] [--json out.json]
 
 The head node holds Serve's controller, the HTTP proxy, the ingress and one replica; the
 worker node (added once those are up, then `num_replicas` 2 with `max_replicas_per_node` 1)
@@ -12,7 +13,16 @@ holds the other replica. Under steady streaming load the worker is removed witho
 * the router's decisions per replica (`iterserve:router_decisions_total` on the ingress's
   GET /metrics), so the last request routed to the dead replica is known;
 * the replica count Serve reports (all states), sampled throughout;
+* when the lost replica's worker process exits (it outlives its raylet by a few seconds);
 * when Serve runs two replicas again after the node returns.
+
+`--probe-clients` adds closed-loop clients of short streams (`--probe-tokens`) so that the
+router decides often and its cut-over after the fault is measured, not guessed: the time from
+the kill to the last request it assigns to the lost replica, against one routing stats
+period. `--autoscale` deploys `num_replicas="auto"` (min 2, max 4: the KV autoscaler) instead
+of a fixed 2, so the replica count over time shows what the autoscaler does meanwhile.
+After the kill nothing polls `/debug/replicas` (a broadcast: it would tell the router about
+the dead replica itself); the controller's view (`serve.status`) is read instead.
 
 The result is one JSON document (the timeline in seconds since the load started); the floors
 are asserted by tests/reliability/test_node_loss.py. Everything is bounded in time.
@@ -30,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
+from iterserve.autoscale.policy import autoscaling_env_vars
 from iterserve.dashboards.metrics import ROUTER_DECISIONS, metric_name
 from iterserve.loadtests.disruption import StreamingLoad, Timeline
 from iterserve.loadtests.servers import free_port
@@ -40,6 +52,8 @@ SIM_ENGINE = {"runner": "simulated", "max_model_len": 1024, "num_gpu_blocks_over
               "max_num_seqs": 8}
 HEAD_CPUS = 4
 WORKER_CPUS = 2
+AUTOSCALE = AutoscaleConfig(min_replicas=2, max_replicas=4)
+SAMPLE_PERIOD_S = 0.1
 
 
 def _replica_infos(url: str) -> list[dict[str, Any]]:
@@ -57,55 +71,89 @@ def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def _replica_nodes() -> dict[str, str]:
-    """Replica id -> node id of every live LLMReplica actor, and "ingress" -> the ingress's
-    node (read from the GCS)."""
+def _replica_actors() -> dict[str, tuple[str, int]]:
+    """Replica id -> (node id, worker pid) of every live LLMReplica actor, and "ingress" ->
+    the ingress's (read from the GCS)."""
     import ray
 
-    nodes = {}
+    actors = {}
     for info in ray._private.state.actors().values():  # no public GCS reader without dashboard
         name = info.get("Name") or ""
         if info.get("State") != "ALIVE":
             continue
+        where = (info["Address"]["NodeID"], int(info.get("Pid") or 0))
         if "LLMReplica" in name:
-            nodes[name.rsplit("#", 1)[-1]] = info["Address"]["NodeID"]
+            actors[name.rsplit("#", 1)[-1]] = where
         elif "OpenAIIngress" in name:
-            nodes["ingress"] = info["Address"]["NodeID"]
-    return nodes
+            actors["ingress"] = where
+    return actors
+
+
+def _process_alive(pid: int) -> bool:
+    """A process that exited is gone from /proc or a zombie (its raylet parent was killed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serve_replica_states() -> dict[str, int]:
+    """LLMReplica's replica count per state, as the controller reports it."""
+    from ray import serve
+
+    status = serve.status().applications.get(APP_NAME)
+    if status is None or "LLMReplica" not in status.deployments:
+        return {}
+    states = status.deployments["LLMReplica"].replica_states
+    return {getattr(k, "value", str(k)): int(v) for k, v in states.items()}
 
 
 class Sampler:
-    """Samples, every `period_s` in a thread: router decisions per replica and the replica
-    count Serve reports (every state)."""
+    """Samples, every `period_s` in a thread: router decisions per replica, the replica count
+    Serve reports (every state), and whether the watched worker process still runs."""
 
-    def __init__(self, url: str, timeline: Timeline, period_s: float = 0.25) -> None:
+    def __init__(self, url: str, timeline: Timeline, watch_pid: int = 0,
+                 period_s: float = SAMPLE_PERIOD_S) -> None:
         self.url = url
         self.timeline = timeline
         self.period_s = period_s
+        self.watch_pid = watch_pid
         self.decisions: list[tuple[float, dict[str, float]]] = []
         self.replica_counts: list[tuple[float, int]] = []
+        self.replica_states: list[tuple[float, dict[str, int]]] = []
+        self.watched_exit_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def _sample_decisions(self, now: float) -> None:
         from prometheus_client.parser import text_string_to_metric_families
-        from ray import serve
 
         name = metric_name(ROUTER_DECISIONS)
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return  # the sample is missing; the next one covers it
+        counts = {s.labels["replica"]: s.value
+                  for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == name}
+        self.decisions.append((now, counts))
+
+    def _sample_replicas(self, now: float) -> None:
+        states = _serve_replica_states()
+        if states:
+            self.replica_counts.append((now, sum(states.values())))
+            if not self.replica_states or self.replica_states[-1][1] != states:
+                self.replica_states.append((round(now, 2), states))
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic() - self.timeline.start
-            try:
-                text = httpx.get(f"{self.url}/metrics", timeout=5).text
-                counts = {s.labels["replica"]: s.value
-                          for f in text_string_to_metric_families(text) for s in f.samples
-                          if s.name == name}
-                self.decisions.append((now, counts))
-            except httpx.HTTPError:
-                pass  # the sample is missing; the next one covers it
-            status = serve.status().applications.get(APP_NAME)
-            if status is not None and "LLMReplica" in status.deployments:
-                states = status.deployments["LLMReplica"].replica_states
-                self.replica_counts.append((now, sum(states.values())))
+            if self.watch_pid and self.watched_exit_at is None \
+                    and not _process_alive(self.watch_pid):
+                self.watched_exit_at = round(now, 2)
+            self._sample_decisions(now)
+            self._sample_replicas(now)
             time.sleep(self.period_s)
 
     def __enter__(self) -> Sampler:
@@ -126,11 +174,26 @@ class Sampler:
             previous = value if value is not None else previous
         return last
 
+    def decisions_to_after(self, replica: str, after: float) -> int:
+        """How many requests the router sent to `replica` after time `after`."""
+        before = [c.get(replica, 0.0) for at, c in self.decisions if at <= after]
+        final = [c.get(replica, 0.0) for _, c in self.decisions]
+        if not before or not final:
+            return 0
+        return int(final[-1] - before[-1])
+
+
+def _running_replicas() -> int:
+    return _serve_replica_states().get("RUNNING", 0)
+
 
 def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float = 6.0,
-                  down_s: float = 20.0, after_s: float = 8.0) -> dict[str, Any]:
+                  down_s: float = 20.0, after_s: float = 8.0, probe_clients: int = 0,
+                  probe_tokens: int = 16, autoscale: bool = False) -> dict[str, Any]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["ITERSERVE_SIM_COST_MODEL"] = json.dumps(SIM_COST)  # every worker inherits it
+    if autoscale:  # Serve reads these at import, in the controller and the replicas
+        os.environ.update(autoscaling_env_vars(AUTOSCALE))
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -144,6 +207,9 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
     url = f"http://127.0.0.1:{port}"
     app_args: dict[str, Any] = {"engine_kwargs": SIM_ENGINE, "num_replicas": 2, "router": "kv",
                                 "max_replicas_per_node": 1}
+    if autoscale:
+        app_args.update(num_replicas="auto", min_replicas=AUTOSCALE.min_replicas,
+                        max_replicas=AUTOSCALE.max_replicas)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         # Deployed while the head is the only node, so that the ingress lands there (it asks
@@ -157,24 +223,26 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
         cluster.wait_for_nodes()
         deploying.join(timeout=120)
         _wait_for(lambda: len(_replica_infos(url)) == 2, 120, "two replicas")
-        placement = _replica_nodes()
-        on_worker = [r for r, node in placement.items() if node != head_node]
-        if len(on_worker) != 1 or placement.get("ingress") != head_node:
+        placement = _replica_actors()
+        on_worker = [r for r, (node, _) in placement.items() if node != head_node]
+        if len(on_worker) != 1 or placement.get("ingress", ("",))[0] != head_node:
             raise RuntimeError(f"expected one replica on the worker, the ingress on the head: "
                                f"{placement} (head {head_node})")
         dead_replica = on_worker[0]
         timeline = Timeline()
         with StreamingLoad(url, clients, max_tokens, timeout_s=120) as load, \
-                Sampler(url, timeline) as sampler:
+                StreamingLoad(url, probe_clients, probe_tokens, timeout_s=120) as probes, \
+                Sampler(url, timeline, watch_pid=placement[dead_replica][1]) as sampler:
             timeline.start = load_started = time.monotonic()
             sampler.timeline = timeline
-            timeline.mark(f"load started ({clients} streaming clients, {max_tokens} tokens)")
+            timeline.mark(f"load started ({clients} streaming clients, {max_tokens} tokens; "
+                          f"{probe_clients} probe clients, {probe_tokens} tokens)")
             time.sleep(load_before_s)
             replicas_before = max((n for _, n in sampler.replica_counts), default=2)
             kill_at = timeline.mark("worker node's raylet killed")
             cluster.remove_node(worker, allow_graceful=False)
-            _wait_for(lambda: len(_replica_infos(url)) == 1, 120, "the dead replica to go")
-            timeline.mark("/debug/replicas lists one replica")
+            _wait_for(lambda: _running_replicas() == 1, 120, "the dead replica to go")
+            timeline.mark("the controller runs one replica")
             time.sleep(down_s)
             timeline.mark("worker node added back")
             cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=128 * 1024**2)
@@ -183,35 +251,39 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
             time.sleep(after_s)
             timeline.mark("load stopping")
         timeline.mark("load stopped")
-        return _report(load, sampler, timeline, load_started, kill_at, back_at, dead_replica,
-                       replicas_before)
+        if sampler.watched_exit_at is not None:
+            timeline.events.append((sampler.watched_exit_at, "the lost replica's worker exited"))
+            timeline.events.sort()
+        outcomes = _report(load, probes, load_started, kill_at)
+        return {"autoscale": autoscale, "timeline": timeline.events, **outcomes,
+                **_routing_report(sampler, kill_at, dead_replica),
+                **_replica_report(sampler, kill_at, back_at, replicas_before)}
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
 
 
-def _report(load: StreamingLoad, sampler: Sampler, timeline: Timeline, load_started: float,
-            kill_at: float, back_at: float, dead_replica: str,
-            replicas_before: int) -> dict[str, Any]:
+def _report(load: StreamingLoad, probes: StreamingLoad, load_started: float,
+            kill_at: float) -> dict[str, Any]:
+    """How the requests ended, relative to the kill (long streams and probes together)."""
     in_flight, after, failed_in_flight, failed_after, error_times = 0, 0, [], [], []
-    for outcome in load.outcomes:
-        started = outcome.started - load_started
-        ended = outcome.ended - load_started
-        if started < kill_at < ended:
-            in_flight += 1
-            if not load.is_complete(outcome):
-                failed_in_flight.append(outcome)
-                error_times.append(round(ended - kill_at, 2))
-        elif started >= kill_at:
-            after += 1
-            if not load.is_complete(outcome):
-                failed_after.append(outcome)
-    last_to_dead = sampler.last_decision_to(dead_replica)
+    for source in (load, probes):
+        for outcome in source.outcomes:
+            started = outcome.started - load_started
+            ended = outcome.ended - load_started
+            if started < kill_at < ended:
+                in_flight += 1
+                if not source.is_complete(outcome):
+                    failed_in_flight.append(outcome)
+                    error_times.append(round(ended - kill_at, 2))
+            elif started >= kill_at:
+                after += 1
+                if not source.is_complete(outcome):
+                    failed_after.append(outcome)
     return {
-        "timeline": timeline.events,
-        "requests": len(load.outcomes),
-        "complete": load.completed(),
+        "requests": len(load.outcomes) + len(probes.outcomes),
+        "complete": load.completed() + probes.completed(),
         "in_flight_at_kill": in_flight,
         "in_flight_failed": len(failed_in_flight),
         # an SSE error event's payload (chaos.run_request keeps it as the error); a cut
@@ -222,15 +294,40 @@ def _report(load: StreamingLoad, sampler: Sampler, timeline: Timeline, load_star
         "in_flight_error_after_kill_s": sorted(error_times),
         "started_after_kill": after,
         "started_after_kill_failed": len(failed_after),
-        "failures": load.failures()[:20],
+        "failures": (load.failures() + probes.failures())[:20],
+    }
+
+
+def _routing_report(sampler: Sampler, kill_at: float, dead_replica: str) -> dict[str, Any]:
+    """The router's cut-over: its last decision for the lost replica, from the kill and from
+    the replica's worker exiting, against one routing stats period."""
+    last_to_dead = sampler.last_decision_to(dead_replica)
+    exited = sampler.watched_exit_at
+    return {
         "dead_replica": dead_replica,
+        "routing_stats_period_s": RouterConfig().routing_stats_period_s,
+        "sample_period_s": sampler.period_s,
+        "dead_replica_worker_exited_after_kill_s": (None if exited is None
+                                                    else round(exited - kill_at, 2)),
         "last_routed_to_dead_replica_s": last_to_dead,
+        "routed_to_dead_replica_after_kill": sampler.decisions_to_after(dead_replica, kill_at),
         "router_decisions_around_kill": [
-            (at, counts) for at, counts in sampler.decisions if kill_at - 1 <= at <= kill_at + 3],
+            (round(at, 2), counts) for at, counts in sampler.decisions
+            if kill_at - 1 <= at <= kill_at + 5],
         "router_stopped_after_kill_s": (None if last_to_dead is None
                                         else round(max(0.0, last_to_dead - kill_at), 2)),
+        "router_stopped_after_worker_exit_s": (
+            None if last_to_dead is None or exited is None
+            else round(max(0.0, last_to_dead - exited), 2)),
+    }
+
+
+def _replica_report(sampler: Sampler, kill_at: float, back_at: float,
+                    replicas_before: int) -> dict[str, Any]:
+    return {
         "replicas_before_fault": replicas_before,
         "max_replicas_seen": max((n for _, n in sampler.replica_counts), default=0),
+        "replica_states_over_time": sampler.replica_states,
         "replica_back_after_node_return_s": round(back_at - kill_at, 2),
     }
 
@@ -240,9 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=150)
     parser.add_argument("--down-s", type=float, default=20.0)
+    parser.add_argument("--probe-clients", type=int, default=0,
+                        help="extra clients of short streams: frequent routing decisions")
+    parser.add_argument("--probe-tokens", type=int, default=16)
+    parser.add_argument("--autoscale", action="store_true",
+                        help='num_replicas="auto" (min 2, max 4) instead of 2')
     parser.add_argument("--json", default=None, help="write the result here too")
     args = parser.parse_args(argv)
-    result = run_node_loss(args.clients, args.max_tokens, down_s=args.down_s)
+    result = run_node_loss(args.clients, args.max_tokens, down_s=args.down_s,
+                           probe_clients=args.probe_clients, probe_tokens=args.probe_tokens,
+                           autoscale=args.autoscale)
     text = json.dumps(result, indent=1, default=str)
     print(text)
     if args.json:
