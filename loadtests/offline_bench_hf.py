@@ -164,7 +164,11 @@ def vllm_cpu(python: str, model_dir: Path, workload_file: Path, concurrency: int
         env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM CPU failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM's workers may print after the result at shutdown: take the result's own line.
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
+    if not lines:
+        raise RuntimeError(f"vLLM CPU printed no result:\n{done.stdout[-2000:]}")
+    result = json.loads(lines[-1])
     bind = result["threads_bind"]
     return ThroughputResult(f"vLLM CPU {result['version']} (bind {bind}, {env['LD_PRELOAD']})",
                             result["seconds"], result["output_tokens"], result["omp_threads"])
