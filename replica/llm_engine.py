@@ -37,6 +37,7 @@ from iterserve.replica.constrained_requests import ConstrainedRequests
 from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.engine_stats import EngineStatsReporting
 from iterserve.replica.errors import is_device_fault
+from iterserve.replica.fault_isolation import execute_isolating_faults, execute_one_by_one
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
@@ -223,12 +224,12 @@ class LLMEngine(EngineStatsReporting):
         outputs = admitted + self.finish_in_flight()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self._execute(scheduler_output)
+        runner_output = execute_isolating_faults(self.runner, scheduler_output)
         return outputs + self._finish_step(start, scheduler_output, runner_output)
 
     def _has_running_grammars(self) -> bool:
         return any(r.constraint is not None and r.constraint.grammar is not None
-                   for r in self.scheduler.requests.values())
+                   for r in self.scheduler.unfinished_requests())
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Plan and launch step N+1, then finish step N while the device runs N+1."""
@@ -254,7 +255,7 @@ class LLMEngine(EngineStatsReporting):
         that only the requests at fault end and the next plan starts from settled state."""
         logger.warning("a batched launch raised %r; running its requests one by one", error)
         outputs = self.finish_in_flight()
-        runner_output = self._execute_one_by_one(scheduler_output)
+        runner_output = execute_one_by_one(self.runner, scheduler_output)
         return outputs + self._finish_step(start, scheduler_output, runner_output)
 
     def finish_in_flight(self) -> list[RequestOutput]:
@@ -316,34 +317,9 @@ class LLMEngine(EngineStatsReporting):
     def _record_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
         """Keep each chunk's prompt logprobs on its request (before update can finish it)."""
         for request_id, chunk in runner_output.prompt_logprobs.items():
-            request = self.scheduler.requests.get(request_id)
+            request = self.scheduler.get_request(request_id)
             if request is not None:
                 request.record_prompt_logprobs(chunk)
-
-    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run the batch; if a batched operation raises, run each request alone to find which
-        request's inputs it choked on, and fail only those."""
-        try:
-            return self.runner.execute(scheduler_output)
-        except Exception as error:  # noqa: BLE001 - a device fault is re-raised
-            if is_device_fault(error):
-                raise
-            logger.warning("a batched step raised %r; running its requests one by one", error)
-            return self._execute_one_by_one(scheduler_output)
-
-    def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        merged = RunnerOutput()
-        for scheduled in scheduler_output.scheduled:
-            if scheduled.is_padding:
-                continue
-            alone = SchedulerOutput(scheduled=[scheduled], num_batched_tokens=scheduled.num_new_tokens)
-            try:
-                merged.merge(self.runner.execute(alone))
-            except Exception as error:  # noqa: BLE001 - this request's failure; device faults raise
-                if is_device_fault(error):
-                    raise
-                merged.failed[scheduled.request.request_id] = f"{type(error).__name__}: {error}"
-        return merged
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
         """End one request with an error: its blocks are freed, its client is told why."""
@@ -394,7 +370,8 @@ class LLMEngine(EngineStatsReporting):
             stop_reason=request.stop_reason,
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
-            error=request.constraint.error if request.constraint is not None else None,
+            error=request.error or (request.constraint.error if request.constraint is not None
+                                    else None),
         )
 
     def _release_pending_children(self) -> None:

@@ -58,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
+    error: str | None = None  # why the engine failed this request alone (FINISHED_ERROR)
     num_preemptions: int = 0
     admitted_time: float | None = None
     first_token_time: float | None = None

@@ -124,6 +124,10 @@ class Scheduler:
         """The unfinished request with this id, or None once it finished (or never was)."""
         return self.requests.get(request_id)
 
+    def unfinished_requests(self) -> Iterable[Request]:
+        """Every unfinished request (waiting, running or preempted), in no set order."""
+        return self.requests.values()
+
     def all_running_have_output(self) -> bool:
         """Whether every running request has sampled at least once (benchmarks' warm-up)."""
         return all(r.num_output_tokens > 0 for r in self.running)
@@ -349,7 +353,11 @@ class Scheduler:
                 request.first_token_time = now
             request.token_times.append(now)
             updated.append(request)
-            stop = self._stop_status(request, token_id)
+            try:
+                stop = self._stop_status(request, token_id)
+            except Exception as error:  # noqa: BLE001 - its stop check failed: it alone ends
+                request.error = f"{type(error).__name__}: {error}"
+                stop = RequestStatus.FINISHED_ERROR
             if stop is not None:
                 self.finish(request, stop)
         return updated

@@ -16,6 +16,7 @@ from iterserve.replica import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingP
 from iterserve.replica.errors import DeviceFaultError, EngineDeadError, RequestFailedError
 from iterserve.replica.make_model import default_model_path
 from iterserve.replica.sampler import Sampler
+from iterserve.replica.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BAD = "bad-request"
@@ -123,6 +124,30 @@ def test_a_detokenizer_fault_ends_only_its_request(monkeypatch: pytest.MonkeyPat
     assert {k: v for k, v in tokens.items() if k != BAD} == {k: v for k, v in clean.items()
                                                               if k != "r0"}
     assert_all_blocks_free(llm)
+
+
+def test_a_stop_check_fault_ends_only_its_request(monkeypatch: pytest.MonkeyPatch,
+                                                  prompts: list[list[int]],
+                                                  clean: dict[str, list[int]]) -> None:
+    stop_status = Scheduler._stop_status
+
+    def faulty(self: Scheduler, request: object, token_id: int) -> object:
+        if request.request_id == BAD and request.num_output_tokens == 4:  # type: ignore[attr-defined]
+            raise TypeError("injected fault in one request's stop check")
+        return stop_status(self, request, token_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Scheduler, "_stop_status", faulty)
+    llm = engine()
+    tokens, errors = run(llm, prompts, bad_index=3)
+    assert set(errors) == {BAD} and "injected fault" in errors[BAD]
+    assert len(tokens[BAD]) == 4  # the token whose check failed is the last one sent
+    for request_id, expected in clean.items():
+        if request_id != "r3":
+            assert tokens[request_id] == expected, request_id
+    assert llm.finished_by_reason["error"] == 1
+    assert_all_blocks_free(llm)
+    again, errors = run(llm, prompts)
+    assert not errors and again == clean
 
 
 def test_out_of_range_seed_is_refused_before_the_engine() -> None:

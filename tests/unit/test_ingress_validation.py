@@ -114,6 +114,38 @@ def test_validation_errors_are_400_never_500(http):
         _error(http.post(path, json=body), 400)
 
 
+# Every bounded integer of issue 10, one step past its documented range, on both routes that
+# take it: a 400 whose `param` names the field (pydantic's location, as the error mapper gives).
+COMPLETION, CHAT = "/v1/completions", "/v1/chat/completions"
+OUT_OF_RANGE = [
+    (COMPLETION, "seed", 2**63), (COMPLETION, "seed", -(2**63) - 1), (CHAT, "seed", 2**64),
+    (COMPLETION, "n", 0), (COMPLETION, "n", 2**31), (CHAT, "n", -1),
+    (COMPLETION, "best_of", 0), (COMPLETION, "best_of", 10**30),
+    (COMPLETION, "max_tokens", -1), (COMPLETION, "max_tokens", 2**31), (CHAT, "max_tokens", 0),
+    (CHAT, "max_completion_tokens", 2**53 + 1), (CHAT, "max_completion_tokens", 0),
+    (COMPLETION, "min_tokens", -1), (CHAT, "min_tokens", 2**31),
+    (COMPLETION, "logprobs", -1), (COMPLETION, "logprobs", 2**31),
+    (CHAT, "top_logprobs", -1), (CHAT, "top_logprobs", 2**63),
+    (COMPLETION, "top_k", -2), (CHAT, "top_k", 2**31),
+    (COMPLETION, "priority", 2**31), (CHAT, "priority", -(2**31) - 1),
+    (COMPLETION, "prompt_logprobs", -1), (CHAT, "prompt_logprobs", 10**30),
+    (COMPLETION, "stop_token_ids", [2**31]), (CHAT, "stop_token_ids", [-1]),
+    (COMPLETION, "prompt", [1, 2**31]), (COMPLETION, "prompt", [-1]),
+    (COMPLETION, "logit_bias", {"5": 101}), (CHAT, "logit_bias", {"5": -100.5}),
+    (CHAT, "logit_bias", {str(2**31): 1}), (COMPLETION, "logit_bias", {"-1": 1}),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"), OUT_OF_RANGE,
+                         ids=[f"{p.split('/')[-1]}-{f}-{v}" for p, f, v in OUT_OF_RANGE])
+def test_every_bounded_integer_is_a_400_naming_its_field(http, path, field, value):
+    body = {"prompt": "hi"} if path == COMPLETION else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    body[field] = value
+    error = _error(http.post(path, json=body), 400)
+    assert error["param"] is not None and error["param"].split(".")[0] == field, error
+
+
 def test_body_limit_is_413_before_parsing(http):
     big = b'{"prompt": "' + b"x" * LIMIT + b'"}'
     _error(http.post("/v1/completions", content=big,
