@@ -135,12 +135,10 @@ def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> st
         ray.init(address=args.address, namespace="iterserve", log_to_driver=False)
         return None
     metrics_dir = tempfile.mkdtemp(prefix="iterserve-metrics-")
-    try:
-        from iterserve.dashboards.metrics import prepare_multiprocess_dir
-    except ImportError:
-        logger.warning("iterserve.dashboards.metrics unavailable; /metrics shows the ingress only")
-    else:
-        prepare_multiprocess_dir(metrics_dir)  # replicas inherit PROMETHEUS_MULTIPROC_DIR
+    # Imported here: prometheus_client must see the multiprocess folder before it starts.
+    from iterserve.dashboards.metrics import prepare_multiprocess_dir
+
+    prepare_multiprocess_dir(metrics_dir)  # replicas inherit PROMETHEUS_MULTIPROC_DIR
     num_cpus = args.ray_num_cpus or max(2, os.cpu_count() or 2)
     print(f"iterserve: starting Ray (embedded, {num_cpus} CPUs)", flush=True)
     # address="local": a fresh cluster of our own, never one a `ray start` left on this machine.

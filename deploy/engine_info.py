@@ -31,10 +31,8 @@ def flat_config(config: Any) -> dict[str, Any]:
 
 def resolve_model_path(config: Any) -> str | None:
     """The model file or folder the engine loaded: config.model resolved, or the built-in one."""
-    try:
-        from iterserve.replica.model_source import resolve_model_path as resolve
-    except ImportError:
-        return None
+    from iterserve.replica.model_source import resolve_model_path as resolve
+
     return str(resolve(getattr(config, "model", None)))
 
 

@@ -75,12 +75,10 @@ def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any
 
 
 def _install_stat_logger(engine: Any, replica_id: str, metrics_prefix: str | None) -> Any | None:
-    """The Prometheus stat logger of `iterserve.dashboards.metrics`, when that is installed."""
-    try:
-        from iterserve.dashboards.metrics import DEFAULT_PREFIX, PrometheusStatLogger
-    except ImportError:
-        logger.warning("iterserve.dashboards.metrics unavailable: engine metrics are off")
-        return None
+    """The engine's Prometheus stat logger (`iterserve.dashboards.metrics`)."""
+    # Imported in the replica's process, after its metrics environment is set.
+    from iterserve.dashboards.metrics import DEFAULT_PREFIX, PrometheusStatLogger
+
     stat_logger = PrometheusStatLogger(engine.model_name, replica_id=replica_id,
                                        prefix=metrics_prefix or DEFAULT_PREFIX)
     engine.add_stat_logger(stat_logger)

@@ -7,11 +7,11 @@ ITL = pooled gaps between text chunks, output tokens/s = all output tokens / lev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests.bench_client import LevelRun, RequestResult, ServerSample
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
@@ -50,19 +50,8 @@ def parse_slo(items: Sequence[str]) -> Slo:
     return Slo(**limits)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def _ms(values: Sequence[float], q: float) -> float | None:
-    value = percentile(values, q)
-    return None if value is None else value * 1000.0
+    return percentile(values, q) * 1000.0 if values else None
 
 
 def _mean_ms(values: Sequence[float]) -> float | None:

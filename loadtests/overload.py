@@ -24,14 +24,8 @@ from typing import Any
 
 import httpx
 
+from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests.chaos import Outcome, run_request
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 @dataclass
@@ -54,7 +48,7 @@ class OverloadResult:
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
-    return {f"p{q}": (None if (v := percentile(values, q)) is None else round(v, 3))
+    return {f"p{q}": round(percentile(values, q), 3) if values else None
             for q in (50, 90, 99, 100)}
 
 

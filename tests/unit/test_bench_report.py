@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests import bench
 from iterserve.loadtests.bench_client import LevelRun, RequestResult, ServerSample
 from iterserve.loadtests.bench_stats import (
     Slo,
+    _ms,
     compare,
     parse_slo,
-    percentile,
     summarise_level,
 )
 from iterserve.loadtests.fake_openai import serve_fake_openai
@@ -64,7 +65,7 @@ def test_slo_percentile_and_floor_helpers() -> None:
     assert parse_slo(["ttft:500", "e2e:9000"]) == Slo(ttft_ms=500, e2e_ms=9000)
     with pytest.raises(ValueError):
         parse_slo(["latency:5"])
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 99) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and _ms([], 99) is None
     static = [{"concurrency": 64, "output_tokens_per_s": 100.0, "ttft_ms_p95": 1000.0,
                "steady_output_tokens_per_s": 100.0}]
     good = [{"concurrency": 64, "output_tokens_per_s": 250.0, "ttft_ms_p95": 500.0,
