@@ -141,6 +141,10 @@ def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> st
     prepare_multiprocess_dir(metrics_dir)  # replicas inherit PROMETHEUS_MULTIPROC_DIR
     num_cpus = args.ray_num_cpus or max(2, os.cpu_count() or 2)
     print(f"iterserve: starting Ray (embedded, {num_cpus} CPUs)", flush=True)
+    # Our private cluster keeps Ray's default token auth; its notice that it is on is noise
+    # on a newcomer's first screen.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+        logging.ERROR)
     # address="local": a fresh cluster of our own, never one a `ray start` left on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
              object_store_memory=256 * 1024**2, log_to_driver=False,
