@@ -217,7 +217,7 @@ def stage_structured(plan: Plan) -> list[list[str]]:
         verdict = "- (a GPU floor)"
     rows = [["structured overhead",
              f"batch {sizes.batch} x {sizes.max_tokens} tokens, moderately complex schema vs "
-             f"free, {sizes.rounds} A B rounds; floor >= {STRUCTURED_FLOOR}x on the GPU",
+             f"free, A B rounds: {sizes.rounds}; floor >= {STRUCTURED_FLOOR}x on the GPU",
              f"free {speed['free_tok_s']} tok/s, constrained {speed['constrained_tok_s']} "
              f"tok/s: **{ratio}x**; compile cache hit rate {hit_rate:.2f}", verdict]]
     report = structured_bench.validity(llm, sizes.num_schemas, seed=0)
