@@ -29,7 +29,8 @@ schema, CPU, under the heavy-run lock on 2 shared cores (loadtests/structured_ba
 llguidance is better at compile time: 0.86 ms to build a matcher for that schema (lazily),
 where xgrammar 0.2.9 takes 7 ms (0.2.8: 301 ms) and 2.7 ms p50 / 12.7 ms p99 over 101
 assorted schemas; here compiles run off the engine thread and are cached, so they never
-stall the batch (only the request that waits for its grammar). vLLM sends llguidance the schemas xgrammar rejects; here those are a 400.
+stall the batch (only the request that waits for its grammar). vLLM sends llguidance
+the schemas xgrammar rejects; here those are a 400.
 Figures: loadtests/structured_backends.py, BENCHMARKS.md "Structured outputs".
 """
 
