@@ -308,7 +308,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
     for i, s in states.items():
         parsed = reader.parse(s.text)
         message = ChatResponseMessage(content=parsed.content,
-                                      tool_calls=response_tool_calls(parsed))
+                                      tool_calls=response_tool_calls(parsed) or None)
         choices.append(ChatChoice(
             index=i, message=message,
             logprobs=chat_logprobs(s.logprobs, token_text, num_top) if req.logprobs else None,

@@ -14,7 +14,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 16  # most choices per request (n)
 MAX_LOGPROBS = 20  # OpenAI's own bound; the engine's max_logprobs may lower it
@@ -364,9 +372,20 @@ class ChatLogprobs(_Out):
 
 
 class ChatResponseMessage(_Out):
+    """An answer without calls has no `tool_calls` key, as OpenAI sends it and as vLLM does
+    since its PR #44105 (before it vLLM sent `[]`): agent loops written against OpenAI test
+    `message.tool_calls is not None` and then index an empty list (vLLM issue #44104)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        if not self.tool_calls:
+            fields.pop("tool_calls", None)
+        return fields
 
 
 class DeltaFunctionCall(_Out):

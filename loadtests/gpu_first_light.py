@@ -10,13 +10,20 @@ Stages, each one row of the report (runs/first_light/report.md), each bounded:
    lets long continuations drift apart legitimately).
 2. serve: one Ray Serve replica of the built-in model on the GPU, one completion over HTTP.
 3. kernel bench: loadtests/kernel_bench.py (its own table, kernel_bench.md, with floors).
-4. step probe: a random-weight Llama-3-8B-shaped model (load_format="dummy"), timed engine
+4. structured outputs: on the built-in model, a batch of 64 requests all constrained by
+   loadtests/structured_workload.moderately_complex_schema vs the same 64 free, output
+   tokens/s A B A B (loadtests/structured_bench.overhead); floor: constrained >= 0.8x free
+   on the GPU, where the per-step bitmask work is not hidden behind a slow forward. Then a
+   few seeded schemas run to completion and are checked with jsonschema (the bitmask apply
+   on this device is xgrammar's Triton kernel), with compile p50/p99 and cache hit rate.
+5. step probe: a random-weight Llama-3-8B-shaped model (load_format="dummy"), timed engine
    steps over a grid of batch shapes, CostModel.fit coefficients written as JSON
    (cost_model.json) for the cluster simulator (ITERSERVE_SIM_COST_MODEL=<that file>).
 
 --dry-run runs the same code on CPU with small settings: parity on CPU (fp32 and bf16), the
-step probe on a small Llama shape, and reports the serve stage and the kernel bench as
-skipped (they need Ray and a GPU; tests/integration and tests/kernels cover their logic).
+structured stage on a smaller batch (its ratio reported, the floor not judged: it is a GPU
+floor), the step probe on a small Llama shape, and reports the serve stage and the kernel
+bench as skipped (they need Ray and a GPU; tests/integration and tests/kernels cover them).
 Exit code 1 if any stage fails.
 """
 
@@ -52,6 +59,20 @@ SMALL_LLAMA = {
 }  # fmt: skip
 
 
+STRUCTURED_FLOOR = 0.8  # constrained / free tokens/s on the GPU (issue 15)
+
+
+@dataclass(frozen=True)
+class StructuredPlan:
+    """Sizes of the structured-output stage; every run is bounded by its token counts."""
+
+    batch: int  # requests per run, all constrained or all free
+    max_tokens: int  # per request and run: both sides generate batch x max_tokens tokens
+    rounds: int  # A B pairs
+    num_schemas: int  # seeded schemas run to completion (max_tokens 256) and validated
+    num_compiles: int  # distinct schemas compiled cold for p50/p99
+
+
 @dataclass(frozen=True)
 class Plan:
     device: str
@@ -61,14 +82,19 @@ class Plan:
     probe_prompt_lens: tuple[int, ...]
     probe_decode_steps: int
     run_gpu_stages: bool
+    structured: StructuredPlan
 
     @classmethod
     def for_gpu(cls) -> Plan:
-        return cls("cuda", 24, LLAMA_3_8B, (1, 8, 32, 96), (128, 1024), 8, True)
+        return cls("cuda", 24, LLAMA_3_8B, (1, 8, 32, 96), (128, 1024), 8, True,
+                   StructuredPlan(batch=64, max_tokens=48, rounds=2, num_schemas=16,
+                                  num_compiles=100))
 
     @classmethod
     def dry_run(cls) -> Plan:
-        return cls("cpu", 8, SMALL_LLAMA, (1, 4), (16, 48), 3, False)
+        return cls("cpu", 8, SMALL_LLAMA, (1, 4), (16, 48), 3, False,
+                   StructuredPlan(batch=8, max_tokens=6, rounds=1, num_schemas=3,
+                                  num_compiles=10))
 
 
 def builtin_model() -> Path:
@@ -170,6 +196,45 @@ def stage_kernel_bench(plan: Plan, out: Path) -> list[list[str]]:
              "kernel_bench.md", "ok" if rc == 0 else "FAILED"]]  # fmt: skip
 
 
+def stage_structured(plan: Plan) -> list[list[str]]:
+    """Constrained vs free tokens/s on the built-in model, then validated full schemas."""
+    from iterserve.loadtests import structured_bench
+    from iterserve.replica import LLM
+
+    sizes = plan.structured
+    llm = LLM(str(builtin_model()), device=plan.device, max_model_len=1024,
+              max_num_seqs=max(sizes.batch, sizes.num_schemas), gpu_memory_utilization=0.5)
+    pool = llm.engine.constrained.pool
+    before = pool.stats()
+    speed = structured_bench.overhead(llm, sizes.batch, sizes.max_tokens, sizes.rounds)
+    ratio = speed["ratio_constrained_over_free"]
+    after = pool.stats()
+    requests = after.num_requests - before.num_requests
+    hit_rate = (after.num_cache_hits - before.num_cache_hits) / requests if requests else 0.0
+    if plan.run_gpu_stages:
+        verdict = "ok" if ratio >= STRUCTURED_FLOOR else "FAILED"
+    else:
+        verdict = "- (a GPU floor)"
+    rows = [["structured overhead",
+             f"batch {sizes.batch} x {sizes.max_tokens} tokens, moderately complex schema vs "
+             f"free, A B rounds: {sizes.rounds}; floor >= {STRUCTURED_FLOOR}x on the GPU",
+             f"free {speed['free_tok_s']} tok/s, constrained {speed['constrained_tok_s']} "
+             f"tok/s: **{ratio}x**; compile cache hit rate {hit_rate:.2f}", verdict]]
+    report = structured_bench.validity(llm, sizes.num_schemas, seed=0)
+    compiles = structured_bench.compile_times(llm, sizes.num_compiles)
+    all_valid = report["valid"] == report["requests"]
+    rows.append(["structured validity",
+                 f"{sizes.num_schemas} seeded schemas to completion (max_tokens 256), "
+                 "jsonschema-checked",
+                 f"{report['valid']}/{report['requests']} valid, finish {report['finish_reasons']}"
+                 f", {report['seconds']} s; compile p50 {compiles['p50_ms']} ms / p99 "
+                 f"{compiles['p99_ms']} ms ({compiles['schemas']} schemas)",
+                 "ok" if all_valid else "FAILED"])
+    llm.engine.constrained.shutdown()  # the compile threads; the engine has no other
+    del llm
+    return rows
+
+
 class StepTimer:
     """Wraps the engine's runner: times every execute (device synced) with its batch shape."""
 
@@ -243,6 +308,7 @@ def run(plan: Plan, out: Path) -> tuple[list[list[str]], float]:
         ("parity", lambda: stage_parity(plan)),
         ("serve", lambda: stage_serve(plan)),
         ("kernel bench", lambda: stage_kernel_bench(plan, out)),
+        ("structured", lambda: stage_structured(plan)),
         ("step probe", lambda: stage_step_probe(plan, out)),
     ]
     for name, stage in stages:
