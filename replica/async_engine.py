@@ -162,6 +162,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        self.engine.constrained.shutdown()  # the grammar-compile threads
 
     # ----------------------------------------------------------------------- engine thread
     def _submit(self, run: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
