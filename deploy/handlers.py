@@ -33,19 +33,21 @@ from iterserve.deploy.protocol import (
     sampling_params,
 )
 from iterserve.deploy.schemas import (
-    ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatResponseMessage,
-    ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    DeltaMessage,
     now_s,
     random_id,
+)
+from iterserve.deploy.schemas_chat import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
 )
 from iterserve.deploy.tool_calls import (
     ToolCallStream,

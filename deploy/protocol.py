@@ -14,15 +14,17 @@ from typing import Any, Protocol
 from iterserve.deploy.errors import bad_request
 from iterserve.deploy.schemas import (
     ChatCompletionRequest,
-    ChatLogprobs,
-    ChatTokenLogprob,
     CompletionLogprobs,
     CompletionRequest,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
-    TopLogprob,
     UsageInfo,
+)
+from iterserve.deploy.schemas_chat import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    TopLogprob,
 )
 from iterserve.deploy.structured_request import output_constraints
 from iterserve.deploy.tool_calls import forced_tool_spec, rendered_tools

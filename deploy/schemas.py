@@ -18,9 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -355,88 +353,3 @@ class ChatCompletionRequest(_SamplingFields):
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
-
-
-class TopLogprob(_Out):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Out):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(_Out):
-    """An answer without calls has no `tool_calls` key, as OpenAI sends it and as vLLM does
-    since its PR #44105 (before it vLLM sent `[]`): agent loops written against OpenAI test
-    `message.tool_calls is not None` and then index an empty list (vLLM issue #44104)."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        if not self.tool_calls:
-            fields.pop("tool_calls", None)
-        return fields
-
-
-class DeltaFunctionCall(_Out):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_Out):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class ChatChoice(_Out):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(_Out):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: for the whole response
-
-
-class DeltaMessage(_Out):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(_Out):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(_Out):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None

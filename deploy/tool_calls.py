@@ -21,10 +21,12 @@ from typing import Any
 from iterserve.deploy.errors import bad_request
 from iterserve.deploy.schemas import (
     ChatCompletionRequest,
-    DeltaFunctionCall,
-    DeltaToolCall,
     ToolCall,
     ToolCallFunction,
+)
+from iterserve.deploy.schemas_chat import (
+    DeltaFunctionCall,
+    DeltaToolCall,
 )
 from iterserve.deploy.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser, tool_parser
 from iterserve.replica.structured_spec import StructuredSpec

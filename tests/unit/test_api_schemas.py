@@ -20,12 +20,14 @@ from iterserve.deploy.protocol import (
 )
 from iterserve.deploy.schemas import (
     MAX_N,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     random_id,
+)
+from iterserve.deploy.schemas_chat import (
+    ChatCompletionChunk,
 )
 from iterserve.deploy.schemas_tokens import DetokenizeRequest, TokenizeRequest
 from iterserve.replica.outputs import RequestOutput, TokenLogprobs
