@@ -44,7 +44,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
+from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.cluster_sim_replica import SimReplica
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
@@ -154,6 +154,7 @@ class ClusterSim:
         self.specs = {s.request_id: s for s in self.workload}
         self.slots: list[ReplicaSlot] = []
         self.prompt_keys = PromptBlockKeys(config.block_size)
+        self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self.published: dict[str, ReplicaLoad] = {}
         self.itl_bins: collections.Counter = collections.Counter()  # see count_gaps
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
@@ -237,6 +238,8 @@ class ClusterSim:
             return  # cancelled while starting
         slot.state = RUNNING
         slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys)
+        if self.config.enable_prefix_caching:
+            self.prefix_cache.add_replica(slot.replica_id, slot.replica.block_manager.cached_blocks)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)
         self._push(self.now + phase, POLL, slot)
         if self.autoscaler is not None:
@@ -255,7 +258,7 @@ class ClusterSim:
         views = [cache.get(s.replica_id) or self._view(router, s) for s in free]
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
-        ctx = RoutingContext(route, views, self.now, self.config.block_size)
+        ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache)
         chosen = router.policy.choose(ctx, router.rng)
         slot = next((s for s in free if s.replica_id == chosen), None)
         if slot is None:

@@ -10,7 +10,7 @@ reaches (most answers stop at the first block).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from iterserve.replica.block_manager import BlockKey
 
@@ -24,14 +24,27 @@ class PromptBlockKeys:
         self._keys: list[BlockKey] = []
         self._max_blocks = 0
 
-    def num_cached_blocks(self, token_ids: Sequence[int], cached: dict[BlockKey, int]) -> int:
-        """How many leading full blocks of the prompt are in `cached` (a block manager's
-        cached_blocks); at least one token is left over, as find_cached_prefix leaves it.
-        The prompt is recognised by identity: a router passes one object to every replica."""
+    def first_key(self, token_ids: Sequence[int]) -> BlockKey | None:
+        """The key of the prompt's first block, None if no block of it can be a hit."""
+        self._start(token_ids)
+        if self._max_blocks == 0:
+            return None
+        keys = self._keys
+        if not keys:
+            keys.append((0, tuple(token_ids[: self.block_size])))
+        return keys[0]
+
+    def _start(self, token_ids: Sequence[int]) -> None:
         if token_ids is not self._prompt:
             self._prompt = token_ids
             self._keys = []
             self._max_blocks = (len(token_ids) - 1) // self.block_size
+
+    def num_cached_blocks(self, token_ids: Sequence[int], cached: dict[BlockKey, int]) -> int:
+        """How many leading full blocks of the prompt are in `cached` (a block manager's
+        cached_blocks); at least one token is left over, as find_cached_prefix leaves it.
+        The prompt is recognised by identity: a router passes one object to every replica."""
+        self._start(token_ids)
         keys, size = self._keys, self.block_size
         n = 0
         while n < self._max_blocks:
@@ -42,3 +55,36 @@ class PromptBlockKeys:
                 break
             n += 1
         return n
+
+
+class ClusterPrefixCache:
+    """Every replica's answer to "how many leading tokens of this prompt do you cache" in
+    one call (`RoutingContext.prefix_cache`): the prompt's first block key is looked up in
+    each replica's cache (one dict probe each), and only the replicas holding it are asked
+    further. Same answers as `SimReplica.cached_prefix_tokens`, replicas holding none of
+    the prompt left out."""
+
+    def __init__(self, keys: PromptBlockKeys) -> None:
+        self.keys = keys
+        self._caches: dict[Hashable, dict[BlockKey, int]] = {}
+
+    def add_replica(self, replica_id: Hashable, cached_blocks: dict[BlockKey, int]) -> None:
+        """cached_blocks: the replica's BlockManager.cached_blocks (prefix caching on)."""
+        self._caches[replica_id] = cached_blocks
+
+    def remove_replica(self, replica_id: Hashable) -> None:
+        self._caches.pop(replica_id, None)
+
+    def __call__(self, token_ids: Sequence[int], replica_ids: Sequence[Hashable]
+                 ) -> dict[Hashable, int]:
+        first = self.keys.first_key(token_ids)
+        if first is None:
+            return {}
+        caches = self._caches
+        holders = [rid for rid in replica_ids if first in caches.get(rid, _NONE)]
+        size = self.keys.block_size
+        return {rid: self.keys.num_cached_blocks(token_ids, caches[rid]) * size
+                for rid in holders}
+
+
+_NONE: dict[BlockKey, int] = {}

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -351,6 +351,8 @@ class InFlightTracker(Generic[R]):
         # Per replica: (the stats timestamp, the Correction given for it), dropped when its
         # requests change: most replicas change neither between two requests.
         self._given: dict[R, tuple[float | None, Correction]] = {}
+        # Called with a replica whose requests changed (a router's ScoreTable listens).
+        self.on_change: Callable[[R], None] | None = None
 
     def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0,
                prefill_tokens: int = 0) -> None:
@@ -361,6 +363,8 @@ class InFlightTracker(Generic[R]):
         entries = self._by_replica.setdefault(replica_id, {})
         entries[request_id] = (at, prompt_tokens, prefill_tokens)
         self._given.pop(replica_id, None)
+        if self.on_change is not None:
+            self.on_change(replica_id)
         self._committed[replica_id] = self._committed.get(replica_id, 0) + prompt_tokens
         last = self._last_at.get(replica_id, at)
         self._last_at[replica_id] = None if last is None or at < last else at
@@ -373,6 +377,8 @@ class InFlightTracker(Generic[R]):
         entries = self._by_replica[replica_id]
         del entries[request_id]
         self._given.pop(replica_id, None)
+        if self.on_change is not None:
+            self.on_change(replica_id)
         if entries:
             self._committed[replica_id] -= entry[2]
         else:
@@ -390,29 +396,33 @@ class InFlightTracker(Generic[R]):
     def corrections(self, loads: Mapping[R, ReplicaLoad | None]) -> dict[R, Correction]:
         """Per replica: requests routed after its stats were taken (unseen) and the KV
         footprint of everything in flight there."""
-        out: dict[R, Correction] = {}
-        given = self._given
-        for rid, entries in self._by_replica.items():
-            load = loads.get(rid)
-            stamp = None if load is None else load.timestamp
-            cached = given.get(rid)
-            if cached is not None and cached[0] == stamp:
-                out[rid] = cached[1]
-                continue
-            n = tokens = prefill = 0
-            if load is None or self._last_at[rid] is None:
-                for at, t, p in entries.values():
-                    if load is None or at > load.timestamp:
-                        n, tokens, prefill = n + 1, tokens + t, prefill + p
-            else:
-                stamp = load.timestamp
-                for at, t, p in reversed(entries.values()):  # newest first: the unseen tail
-                    if at <= stamp:
-                        break
+        return {rid: self._correction(rid, entries, loads.get(rid))
+                for rid, entries in self._by_replica.items()}
+
+    def correction(self, replica_id: R, load: ReplicaLoad | None) -> Correction | None:
+        """`corrections(...)[replica_id]` for one replica (None: nothing in flight there)."""
+        entries = self._by_replica.get(replica_id)
+        return None if entries is None else self._correction(replica_id, entries, load)
+
+    def _correction(self, rid: R, entries: dict[str, tuple[float, int, int]],
+                    load: ReplicaLoad | None) -> Correction:
+        stamp = None if load is None else load.timestamp
+        cached = self._given.get(rid)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        n = tokens = prefill = 0
+        if load is None or self._last_at[rid] is None:
+            for at, t, p in entries.values():
+                if load is None or at > load.timestamp:
                     n, tokens, prefill = n + 1, tokens + t, prefill + p
-            out[rid] = correction = Correction(n, tokens, self._committed[rid], prefill)
-            given[rid] = (stamp, correction)
-        return out
+        else:
+            for at, t, p in reversed(entries.values()):  # newest first: the unseen tail
+                if at <= stamp:
+                    break
+                n, tokens, prefill = n + 1, tokens + t, prefill + p
+        correction = Correction(n, tokens, self._committed[rid], prefill)
+        self._given[rid] = (stamp, correction)
+        return correction
 
     def __len__(self) -> int:
         return len(self._by_request)

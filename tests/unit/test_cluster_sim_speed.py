@@ -109,3 +109,31 @@ def test_register_next_block_equals_mark_computed() -> None:
     bm.allocate(request, 12)
     request.num_computed_tokens = 12
     assert not bm.register_next_block(request, (7,) * 4)
+
+
+def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
+    from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache
+
+    rng = random.Random(2)
+    shared = [rng.randrange(50) for _ in range(24)]
+    keys = PromptBlockKeys(block_size=4)
+    index = ClusterPrefixCache(keys)
+    managers = {}
+    for name, depth in (("a", 0), ("b", 2), ("c", 5), ("d", 3)):
+        bm = BlockManager(num_blocks=100, block_size=4, enable_prefix_caching=True)
+        tokens = shared[: 4 * depth] + [200] * 3
+        request = Request("w", tokens, SamplingParams(max_tokens=1), 0.0)
+        bm.allocate(request, len(tokens))
+        request.num_computed_tokens = len(tokens)
+        bm.mark_computed(request)
+        managers[name] = bm
+        if name != "d":  # d: a replica the index was not told about holds nothing for it
+            index.add_replica(name, bm.cached_blocks)
+    for n in range(0, 26):
+        prompt = tuple(shared[:n]) + (7,)
+        want = {name: 4 * keys.num_cached_blocks(prompt, bm.cached_blocks)
+                for name, bm in managers.items() if name != "d"}
+        got = index(prompt, ["a", "b", "c", "d"])
+        assert got == {name: hit for name, hit in want.items() if hit}
+    index.remove_replica("c")
+    assert "c" not in index(tuple(shared) + (7,), ["a", "b", "c"])
