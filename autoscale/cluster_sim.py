@@ -153,6 +153,8 @@ class ClusterSim:
             raise ValueError("request ids must be unique")
         self.specs = {s.request_id: s for s in self.workload}
         self.slots: list[ReplicaSlot] = []
+        self._slot_by_id: dict[str, ReplicaSlot] = {}
+        self._free: list[ReplicaSlot] | None = None  # running slots with room (None: stale)
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self.published: dict[str, ReplicaLoad] = {}
@@ -237,6 +239,7 @@ class ClusterSim:
         if slot.state != STARTING:
             return  # cancelled while starting
         slot.state = RUNNING
+        self._free = None
         slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys)
         if self.config.enable_prefix_caching:
             self.prefix_cache.add_replica(slot.replica_id, slot.replica.block_manager.cached_blocks)
@@ -251,7 +254,10 @@ class ClusterSim:
     def _dispatch(self, router: RouterState, spec: SimRequest) -> bool:
         """Route one request now; False if every replica is at max_ongoing_requests."""
         limit = self.config.max_ongoing_requests
-        free = [s for s in self.slots if s.state == RUNNING and s.ongoing < limit]
+        free = self._free
+        if free is None:  # recomputed only after a slot's state or room changed
+            free = self._free = [s for s in self.slots if s.state == RUNNING
+                                 and s.ongoing < limit]
         if not free:
             return False
         cache = router.views
@@ -260,8 +266,8 @@ class ClusterSim:
                              spec.arrival_time, spec.session_id)
         ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache)
         chosen = router.policy.choose(ctx, router.rng)
-        slot = next((s for s in free if s.replica_id == chosen), None)
-        if slot is None:
+        slot = self._slot_by_id.get(chosen)
+        if slot is None or slot.state != RUNNING or slot.ongoing >= limit:  # not offered
             raise ValueError(f"router {router.policy.name!r} chose {chosen!r}, not one of "
                              "the replicas it was offered")
         record = self.records[spec.request_id]
@@ -272,7 +278,11 @@ class ClusterSim:
             self.num_open -= 1
             return True
         record.routed, record.replica = self.now, slot.replica_id
+        self.prefix_cache.routed(slot.replica_id, spec.prompt_token_ids, spec.max_tokens,
+                                 spec.output_token_id)
         slot.ongoing += 1
+        if slot.ongoing == limit:
+            self._free = None
         router.routed(slot.replica_id, spec.request_id, len(spec.prompt_token_ids)
                       + spec.max_tokens)
         router.policy.on_routed(route, slot.replica_id, self.now)
@@ -335,6 +345,8 @@ class ClusterSim:
         gaps, record.itl_max, record.itl_p99 = request_itl(request.token_times)
         count_gaps(self.itl_bins, gaps)
         slot.ongoing -= 1
+        if slot.ongoing == self.config.max_ongoing_requests - 1:
+            self._free = None
         self.num_open -= 1
         router = self.routers[record.router]
         router.completed(slot.replica_id, request.request_id,
@@ -344,6 +356,7 @@ class ClusterSim:
     def _start_slot(self, ready_at: float) -> ReplicaSlot:
         slot = ReplicaSlot(f"replica-{len(self.slots)}", created_at=self.now)
         self.slots.append(slot)
+        self._slot_by_id[slot.replica_id] = slot
         if ready_at <= self.now:
             self._on_ready(slot)
         else:
@@ -352,6 +365,7 @@ class ClusterSim:
 
     def _stop(self, slot: ReplicaSlot) -> None:
         slot.state = STOPPED
+        self._free = None
         slot.stopped_at = self.now
         self._record_counts()
 
@@ -390,6 +404,7 @@ class ClusterSim:
                 self._stop(slot)
                 continue
             slot.state = DRAINING
+            self._free = None
             self.published.pop(slot.replica_id, None)
             for router in self.routers:
                 router.views.pop(slot.replica_id, None)

@@ -67,6 +67,7 @@ replica the request is actually routed to.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,9 +114,11 @@ def prefix_hash(token_ids: Sequence[int], block_size: int, num_blocks: int) -> i
     if n_full <= 0:
         return None
     prefix = token_ids[: n_full * block_size]
-    digest = hashlib.blake2b(
-        b"".join(int(t).to_bytes(4, "little", signed=False) for t in prefix), digest_size=8
-    ).digest()
+    try:  # the same bytes as the spelled-out form below, at C speed
+        data = struct.pack(f"<{len(prefix)}I", *prefix)
+    except struct.error:  # not all uint32 ints: that form converts, or raises OverflowError
+        data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in prefix)
+    digest = hashlib.blake2b(data, digest_size=8).digest()
     return int.from_bytes(digest, "little") ^ n_full
 
 

@@ -129,6 +129,7 @@ def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
         managers[name] = bm
         if name != "d":  # d: a replica the index was not told about holds nothing for it
             index.add_replica(name, bm.cached_blocks)
+            index.routed(name, tokens, 1, 200)
     for n in range(0, 26):
         prompt = tuple(shared[:n]) + (7,)
         want = {name: 4 * keys.num_cached_blocks(prompt, bm.cached_blocks)
@@ -137,3 +138,16 @@ def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
         assert got == {name: hit for name, hit in want.items() if hit}
     index.remove_replica("c")
     assert "c" not in index(tuple(shared) + (7,), ["a", "b", "c"])
+    assert "b" not in index(tuple(shared) + (7,), ["a", "c"])  # answers only those asked
+    # a first block that no request routed anywhere began with: nobody is asked
+    assert index((99,) * 9, ["a", "b", "c"]) == {}
+    # short prompts: their first block is completed by the generated tokens
+    short = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    request = Request("s", [5, 6], SamplingParams(max_tokens=3), 0.0)
+    short.allocate(request, 4)
+    request.output_token_ids += [8, 8]
+    request.num_computed_tokens = 4
+    short.mark_computed(request)
+    index.add_replica("s", short.cached_blocks)
+    index.routed("s", [5, 6], 3, 8)
+    assert index((5, 6, 8, 8, 1), ["s"]) == {"s": 4}
