@@ -10,6 +10,7 @@ Invariant, checked by `check_invariants` in tests after every step:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from iterserve.replica.request import Request
@@ -135,6 +136,32 @@ class BlockManager:
         self.num_registered[rid] = (end, hash(key))
         return True
 
+    def register_output_blocks(self, requests: Sequence[Request], runs: Sequence[tuple[int, ...]],
+                               start: int = 0) -> int:
+        """`register_next_block(requests[i], runs[i])` for i = start, start + 1, ... in order
+        (a simulator's decodes that completed a block in the same step), stopping at the
+        first it declines: returns that i (len(requests): none declined)."""
+        tables, registered = self.block_tables, self.num_registered
+        cached, blocks, block_size = self.cached_blocks, self.blocks, self.block_size
+        if not self.enable_prefix_caching:
+            return len(requests)
+        for i in range(start, len(requests)):
+            request = requests[i]
+            rid = request.request_id
+            table = tables.get(rid)
+            if table is None:
+                continue
+            first, parent = registered.get(rid, (0, 0))
+            end = min(request.num_computed_tokens // block_size, len(table))
+            if end != first + 1:
+                return i
+            key = (parent, runs[i])
+            block = blocks[table[first]]
+            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
+                block.key = key
+            registered[rid] = (end, hash(key))
+        return len(requests)
+
     @staticmethod
     def _token_range(request: Request, lo: int, hi: int) -> list[int]:
         """Tokens [lo, hi) of the request, without building all_token_ids (a copy of the
@@ -217,6 +244,17 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         if needed > 0:
             table += self._take_free(needed)
+
+    def append_blocks(self, request_ids: Sequence[str]) -> None:
+        """One more block each for these requests, in order: what `allocate(request, n)`
+        does for a running request whose n new tokens pass its last block by exactly one
+        (a simulator's decodes crossing a block boundary in the same step). Raises
+        RuntimeError, taking nothing, if fewer blocks are free."""
+        if len(request_ids) > len(self.free_block_ids):
+            raise RuntimeError("out of KV blocks for the requests' next blocks")
+        tables = self.block_tables
+        for rid, block_id in zip(request_ids, self._take_free(len(request_ids)), strict=True):
+            tables[rid].append(block_id)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

@@ -151,3 +151,63 @@ def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
     index.add_replica("s", short.cached_blocks)
     index.routed("s", [5, 6], 3, 8)
     assert index((5, 6, 8, 8, 1), ["s"]) == {"s": 4}
+
+
+def _state(bm: BlockManager) -> tuple:
+    return (bm.block_tables, bm.num_registered, bm.cached_blocks, list(bm.free_block_ids),
+            [(b.ref_count, b.key) for b in bm.blocks])
+
+
+def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
+    """append_blocks == allocate(request, 1) each; register_output_blocks ==
+    register_next_block each (stopping where it declines), cached blocks reused included."""
+    rng = random.Random(3)
+    managers = [BlockManager(num_blocks=40, block_size=4, enable_prefix_caching=True)
+                for _ in range(2)]
+    requests: list[list[Request]] = [[], []]
+    prompts = [[rng.randrange(3) for _ in range(6)] for _ in range(6)]  # few ids: shared keys
+    for batched, bm in enumerate(managers):
+        for i, tokens in enumerate(prompts):  # 6 prompt tokens: the second block partial
+            request = Request(f"q{i}", list(tokens), SamplingParams(max_tokens=20), 0.0)
+            bm.allocate(request, 6)
+            request.num_computed_tokens = 6
+            bm.mark_computed(request)
+            requests[batched].append(request)
+        for step in range(14):  # decode: one token of 7 a step, as the cohort does
+            growing = [r for r in requests[batched] if (r.num_computed_tokens + 1) % 4 == 1]
+            if batched:
+                bm.append_blocks([r.request_id for r in growing])
+            else:
+                for r in growing:
+                    bm.allocate(r, 1)
+            for r in requests[batched]:
+                r.output_token_ids.append(7)
+                r.num_computed_tokens += 1
+            for r in requests[batched]:  # a block with prompt tokens: the general path
+                if r.num_computed_tokens % 4 == 0 and \
+                        r.num_computed_tokens - 4 < r.num_prompt_tokens:
+                    bm.mark_computed(r)
+            full = [r for r in requests[batched] if r.num_computed_tokens % 4 == 0
+                    and r.num_computed_tokens - 4 >= r.num_prompt_tokens]
+            runs = [(7,) * 4] * len(full)
+            if batched:
+                assert bm.register_output_blocks(full, runs) == len(full)
+            else:
+                for r in full:
+                    assert bm.register_next_block(r, (7,) * 4)
+            if step == 6:  # a finish frees blocks that later takes reuse
+                bm.free(requests[batched].pop(0))
+    assert _state(managers[0]) == _state(managers[1])
+    # it stops where register_next_block would decline (here: two blocks behind)
+    bm = managers[1]
+    behind = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(behind, 12)
+    behind.num_computed_tokens = 12
+    ok = requests[1][0]
+    assert bm.register_output_blocks([behind, ok], [(7,) * 4] * 2) == 0
+    try:
+        bm.append_blocks(["b"] * (bm.num_free_blocks + 1))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("append_blocks took more blocks than are free")
