@@ -23,7 +23,7 @@ import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.block_manager import BlockManager, BlockTokens, block_tokens
 from iterserve.replica.request import Request
 
 
@@ -36,6 +36,7 @@ class Decoder:
     outputs0: int  # its num_output_tokens then
     finish_step: int
     token: int  # what it samples at every position
+    run: BlockTokens = b""  # a block of that token, in block_tokens form
     alloc_from: int = 0  # its first ALLOC step (then every block_size steps)
     register_from: int = 0  # its first REGISTER step (then every block_size steps)
 
@@ -72,7 +73,8 @@ class DecodeCohort:
         params = request.sampling_params
         left = min(params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
-        member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token)
+        member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token,
+                         block_tokens((token,) * block_size))
         rid = request.request_id
         self.members[rid] = member
         self.kv_base += c0 - step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from iterserve.replica.block_manager import BlockKey
+from iterserve.replica.block_manager import BlockKey, block_tokens
 
 
 class PromptBlockKeys:
@@ -31,7 +31,7 @@ class PromptBlockKeys:
             return None
         keys = self._keys
         if not keys:
-            keys.append((0, tuple(token_ids[: self.block_size])))
+            keys.append((0, block_tokens(token_ids[: self.block_size])))
         return keys[0]
 
     def _start(self, token_ids: Sequence[int]) -> None:
@@ -50,7 +50,7 @@ class PromptBlockKeys:
         while n < self._max_blocks:
             if n == len(keys):
                 parent = hash(keys[-1]) if keys else 0
-                keys.append((parent, tuple(token_ids[n * size : (n + 1) * size])))
+                keys.append((parent, block_tokens(token_ids[n * size : (n + 1) * size])))
             if keys[n] not in cached:
                 break
             n += 1
@@ -93,7 +93,7 @@ class ClusterPrefixCache:
             first = tuple(token_ids) + (output_token_id,) * (size - len(token_ids))
         else:
             return
-        h = hash((0, first))
+        h = hash((0, block_tokens(first)))
         sent = self._sent.get(h)
         if sent is None:
             self._sent[h] = [replica_id]

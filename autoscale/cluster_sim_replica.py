@@ -29,7 +29,7 @@ from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
 from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.block_manager import BlockManager, BlockTokens
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
@@ -302,7 +302,7 @@ class SimReplica:
         bm = self.block_manager
         size = bm.block_size
         runs: list[Request] = []
-        tokens: list[tuple[int, ...]] = []
+        tokens: list[BlockTokens] = []
         waiting: list[Decoder] = []  # the members of runs, not yet registered
         for member in members:
             request = member.request
@@ -310,7 +310,7 @@ class SimReplica:
             request.num_computed_tokens = computed
             if computed - size >= len(request.prompt_token_ids):
                 runs.append(request)
-                tokens.append((member.token,) * size)
+                tokens.append(member.run)
                 waiting.append(member)
             else:
                 self._register_runs(runs, tokens, waiting, step)
@@ -319,7 +319,7 @@ class SimReplica:
                 bm.mark_computed(request)
         self._register_runs(runs, tokens, waiting, step)
 
-    def _register_runs(self, runs: list[Request], tokens: list[tuple[int, ...]],
+    def _register_runs(self, runs: list[Request], tokens: list[BlockTokens],
                        members: list[Decoder], step: int) -> None:
         bm, i = self.block_manager, 0
         while i < len(runs):

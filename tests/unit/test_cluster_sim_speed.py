@@ -211,3 +211,21 @@ def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
         pass
     else:
         raise AssertionError("append_blocks took more blocks than are free")
+
+
+def test_block_keys_take_one_form_per_content_even_past_int64() -> None:
+    """block_tokens: bytes for int64 token ids, a tuple otherwise, decided per block, so
+    a prefix registered in one pass is found block by block (and by PromptBlockKeys)."""
+    from iterserve.replica.block_manager import block_tokens
+
+    assert block_tokens([1, 2]) == block_tokens((1, 2)) != block_tokens([2, 1])
+    assert block_tokens([2**63, 1]) == (2**63, 1)
+    huge = [5, 6, 7, 8, 2**64, 3, 3, 3, 9, 9, 9, 9, 1]  # the second block does not fit int64
+    bm = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    writer = Request("w", list(huge), SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(writer, len(huge))
+    writer.num_computed_tokens = len(huge)
+    bm.mark_computed(writer)
+    reader = Request("r", list(huge), SamplingParams(max_tokens=1), 0.0)
+    assert len(bm.find_cached_prefix(reader)) == 3
+    assert PromptBlockKeys(4).num_cached_blocks(tuple(huge), bm.cached_blocks) == 3
