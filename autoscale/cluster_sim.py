@@ -34,7 +34,6 @@ cluster does to them, as Ray Serve does:
 
 from __future__ import annotations
 
-import collections
 import gc
 import heapq
 import itertools
@@ -48,12 +47,10 @@ from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache, PromptBlo
 from iterserve.autoscale.cluster_sim_replica import SimReplica
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
+    ItlCounter,
     RequestRecord,
     SimRequest,
     SimResult,
-    count_gaps,
-    itl_histogram,
-    request_itl,
 )
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.router_policy import Correction
@@ -158,7 +155,7 @@ class ClusterSim:
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self.published: dict[str, ReplicaLoad] = {}
-        self.itl_bins: collections.Counter = collections.Counter()  # see count_gaps
+        self.itl = ItlCounter()
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
@@ -342,8 +339,7 @@ class ClusterSim:
         record.output_tokens = request.num_output_tokens
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions
-        gaps, record.itl_max, record.itl_p99 = request_itl(request.token_times)
-        count_gaps(self.itl_bins, gaps)
+        record.itl_max, record.itl_p99 = self.itl.add(request.token_times)
         slot.ongoing -= 1
         if slot.ongoing == self.config.max_ongoing_requests - 1:
             self._free = None
@@ -424,7 +420,7 @@ class ClusterSim:
             end_time=end,
             prefix_query_tokens=sum(e.block_manager.prefix_queries for e in engines),
             prefix_hit_tokens=sum(e.block_manager.prefix_hits for e in engines),
-            itl_counts=itl_histogram(self.itl_bins),
+            itl_counts=self.itl.histogram(),
             num_steps=sum(e.num_steps for e in engines),
             router_names=[r.policy.name for r in self.routers],
             autoscaler_name=None if self.autoscaler is None else self.autoscaler.name,
