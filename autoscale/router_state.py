@@ -22,7 +22,7 @@ from iterserve.autoscale.router_policy import (
     R,
     prefix_hash,
 )
-from iterserve.autoscale.router_table import ScoreTable, aligned_hits
+from iterserve.autoscale.router_table import ScoreTable
 from iterserve.autoscale.signals import ReplicaLoad
 
 
@@ -82,7 +82,7 @@ class KVRouterCore(Generic[R]):
         if self.config.routed_work_weight and len(self.routed_work):
             work = self.routed_work.values(candidates, now)
         return table.decide(candidates, rows, now, num_tokens, prompt_tokens,
-                            aligned_hits(candidates, cached_tokens), work, pending, full)
+                            cached_tokens, work, pending, full)
 
     def routed(self, request_id: str, replica_id: R, now: float, key: int | None,
                num_tokens: int, prefill_tokens: int = 0) -> None:

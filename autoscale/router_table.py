@@ -23,6 +23,8 @@ situations.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic
 
@@ -44,7 +46,6 @@ EFF_KV, HOT, HAS_LOAD, STAMP, KV_TOKENS, DRAINING, BASE, PREFILL = range(8)
 NUM_COLUMNS = 8
 _NO_CORRECTION = Correction(0)
 _UNSET = object()  # a row not computed yet (no stats object is this)
-_OWN_TRACKER = object()  # a row whose correction came from the router's own tracker
 
 
 class ScoreTable(Generic[R]):
@@ -54,34 +55,39 @@ class ScoreTable(Generic[R]):
         self.config = config
         self._row_of: dict[R, int] = {}
         self._rows = np.zeros((16, NUM_COLUMNS))
-        self._loads: list[object] = []  # per row: the stats object its terms came from
-        self._corrections: list[object] = []  # per row: the correction used (or _OWN_TRACKER)
+        # Per row, what its terms came from: with the router's own tracker, the stats
+        # object (_own_loads); with given corrections, the stats and correction objects.
+        # A row computed one way is _UNSET the other way.
+        self._own_loads: list[object] = []
+        self._given_loads: list[object] = []
+        self._given_corrections: list[object] = []
 
     # ------------------------------------------------------------------------ rows
     def rows_for(self, candidates: Sequence[R]) -> list[int]:
-        row_of = self._row_of
-        rows = [row_of.get(rid, -1) for rid in candidates]
-        if -1 in rows:
-            rows = [self._add_row(rid) if row < 0 else row for rid, row in zip(candidates, rows, strict=True)]
+        rows = list(map(self._row_of.get, candidates))
+        if None in rows:
+            rows = [self._add_row(rid) if row is None else row
+                    for rid, row in zip(candidates, rows, strict=True)]
         return rows
 
     def _add_row(self, replica_id: R) -> int:
         row = self._row_of.get(replica_id)
         if row is not None:  # a candidate listed twice
             return row
-        row = len(self._loads)
+        row = len(self._own_loads)
         if row == len(self._rows):
             self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
         self._row_of[replica_id] = row
-        self._loads.append(_UNSET)
-        self._corrections.append(None)
+        self._own_loads.append(_UNSET)
+        self._given_loads.append(_UNSET)
+        self._given_corrections.append(_UNSET)
         return row
 
     def invalidate(self, replica_id: R) -> None:
         """Its correction changed: recompute its row the next time it is a candidate."""
         row = self._row_of.get(replica_id)
         if row is not None:
-            self._loads[row] = _UNSET
+            self._own_loads[row] = _UNSET
 
     def forget(self, replica_id: R) -> None:
         self.invalidate(replica_id)  # its row stays allocated (a replica id is not reused)
@@ -94,20 +100,26 @@ class ScoreTable(Generic[R]):
         """Recompute the rows whose stats object (or given correction) is not the one their
         terms came from. corrections None: each row's correction is tracker(replica, load),
         this router's own tracker, whose changes arrive through `invalidate`."""
-        seen, used = self._loads, self._corrections
         if corrections is None:
             if tracker is None:
                 raise ValueError("need the corrections or a tracker to ask")
-            for i, (row, load) in enumerate(zip(rows, loads, strict=True)):
-                if load is not seen[row] or used[row] is not _OWN_TRACKER:
-                    self._compute(row, load, tracker(candidates[i], load), _OWN_TRACKER)
+            seen = self._own_loads
+            changed = map(operator.is_not, loads, map(seen.__getitem__, rows))
+            for i in itertools.compress(range(len(rows)), changed):  # C-speed scan
+                row, load = rows[i], loads[i]
+                self._compute(row, load, tracker(candidates[i], load))
+                seen[row] = load
+                self._given_loads[row] = _UNSET
         else:
+            seen, used = self._given_loads, self._given_corrections
             for row, load, corr in zip(rows, loads, corrections, strict=True):
                 if load is not seen[row] or corr is not used[row]:
-                    self._compute(row, load, corr, corr)
+                    self._compute(row, load, corr)
+                    seen[row], used[row] = load, corr
+                    self._own_loads[row] = _UNSET
 
-    def _compute(self, row: int, load: ReplicaLoad | None, correction: Correction | None,
-                 source: object) -> None:
+    def _compute(self, row: int, load: ReplicaLoad | None, correction: Correction | None
+                 ) -> None:
         config = self.config
         corr = _NO_CORRECTION if correction is None else correction
         # now=None: staleness is the per-request part (it depends on the request's time)
@@ -119,18 +131,29 @@ class ScoreTable(Generic[R]):
             self._rows[row] = (eff_kv, hot, 1.0, load.timestamp,
                                load.num_total_blocks * config.prefix_block_size,
                                load.draining, base, corr.prefill_tokens)
-        self._loads[row] = load
-        self._corrections[row] = source
 
     # -------------------------------------------------------------------- scoring
-    def score(self, rows: Sequence[int], now: float | None, request_tokens: int,
+    def hits(self, ix: np.ndarray, cached_tokens: Mapping[R, int] | None) -> np.ndarray | None:
+        """cached_tokens over the candidates' rows ix (missing: 0), or None: O(answers)."""
+        if cached_tokens is None:
+            return None
+        by_row = np.zeros(len(self._own_loads), np.int64)
+        row_of = self._row_of
+        for rid, hit in cached_tokens.items():
+            row = row_of.get(rid)
+            if row is not None:
+                by_row[row] = hit
+        return by_row[ix]
+
+    def score(self, ix: np.ndarray, now: float | None, request_tokens: int,
               prompt_tokens: int, hits: np.ndarray | None, work: list[float] | None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tier, score, balance) per candidate, as score_replicas computes them.
         hits: cached prompt tokens per candidate (None: unknown); work: the routed-work
         meter's value per candidate (None: the meter is empty)."""
         config = self.config
-        terms = self._rows[np.fromiter(rows, np.intp, len(rows))]
+        terms = self._rows[ix]
+        n = len(ix)
         eff_kv = terms[:, EFF_KV]
         hot = terms[:, HOT] > 0.0
         if now is not None:
@@ -138,7 +161,7 @@ class ScoreTable(Generic[R]):
         kv_tokens = terms[:, KV_TOKENS]
         if request_tokens > 0:
             known = kv_tokens > 0.0
-            share = np.full(len(rows), config.inflight_kv_per_request * 1)
+            share = np.full(n, config.inflight_kv_per_request * 1)
             np.divide(request_tokens, kv_tokens, out=share, where=known)
         else:
             share = config.inflight_kv_per_request * 1
@@ -157,7 +180,7 @@ class ScoreTable(Generic[R]):
         elif hits is not None and len(hits):
             best_hit = int(hits.max())
         if work is None:
-            balance = np.zeros(len(rows))
+            balance = np.zeros(n)
         else:
             weight = config.routed_work_weight * (
                 1.0 - min(1.0, best_hit / max(1, prompt_tokens)))
@@ -167,13 +190,16 @@ class ScoreTable(Generic[R]):
         return tier, score + balance, balance
 
     def decide(self, candidates: Sequence[R], rows: Sequence[int], now: float | None,
-               request_tokens: int, prompt_tokens: int, hits: np.ndarray | None,
+               request_tokens: int, prompt_tokens: int, cached_tokens: Mapping[R, int] | None,
                work: list[float] | None, pending: R | None, full: bool) -> list[R]:
         """rank_replicas's answer (full: every candidate, best first; else only the best).
+        cached_tokens: every candidate's prefix-cache answer (missing: 0), or None;
         pending: the affinity table's replica for this prompt's key (None: none)."""
         if not candidates:
             return []
-        tier, score, balance = self.score(rows, now, request_tokens, prompt_tokens, hits, work)
+        ix = np.fromiter(rows, np.intp, len(rows))
+        hits = self.hits(ix, cached_tokens)
+        tier, score, balance = self.score(ix, now, request_tokens, prompt_tokens, hits, work)
         order = np.lexsort((score, tier)) if full else None
         lead = int(order[0]) if full else _first_min(tier, score, None)
         preferred = self._preferred(candidates, tier, score, balance, hits, prompt_tokens,
@@ -230,12 +256,3 @@ def _position(candidates: Sequence[R], replica_id: R) -> int | None:
         return candidates.index(replica_id)  # type: ignore[attr-defined]
     except ValueError:
         return None
-
-
-def aligned_hits(candidates: Sequence[R], cached_tokens: Mapping[R, int] | None
-                 ) -> np.ndarray | None:
-    """cached_tokens as an array over the candidates (missing: 0), or None."""
-    if cached_tokens is None:
-        return None
-    get = cached_tokens.get
-    return np.fromiter((get(rid, 0) for rid in candidates), np.int64, len(candidates))

@@ -112,6 +112,9 @@ def test_rank_equals_the_reference_with_the_cores_own_tracker(seed: int, n: int)
                 s["prompt_tokens"], s["cached"])
         assert core.rank(*args) == want
         assert core.best(*args) == want[0]
+        if step % 3 == 1:  # the same core with the corrections given: its rows follow both
+            given = core.in_flight.corrections(loads)
+            assert core.rank(*args, [given.get(r) for r in cands]) == want
         chosen = core.best(*args)
         core.routed(f"q{step}", chosen, NOW - rng.choice([0.0, 0.3, 2.0]), s["key"],
                     s["num_tokens"], prefill_tokens=rng.choice([0, 80]))
