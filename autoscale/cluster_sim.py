@@ -37,9 +37,10 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import math
 import random
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -173,7 +174,11 @@ class ClusterSim:
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
-    def run(self) -> SimResult:
+    def run(self, progress: Callable[[float], None] | None = None,
+            progress_every_s: float = 10.0) -> SimResult:
+        """progress(t): called at the first event at or after every progress_every_s
+        virtual seconds (a long run's heartbeat; it must not touch the simulation)."""
+        next_report = progress_every_s if progress is not None else math.inf
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
                     PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready}
         workload, events = self.workload, self.events
@@ -190,6 +195,9 @@ class ClusterSim:
                 break
             if t > self.config.max_virtual_s:
                 break
+            if t >= next_report:
+                progress(t)
+                next_report = t + progress_every_s
             self.now = t
             handlers[kind](payload)
             if self._freed:  # a request finished: one waiting at a router may go now
@@ -443,12 +451,14 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def simulate(workload: Sequence[SimRequest], routers: Sequence[RoutingPolicy],
              num_replicas: int = 1, config: ClusterSimConfig | None = None,
-             autoscaler: AutoscalingPolicy | None = None) -> SimResult:
+             autoscaler: AutoscalingPolicy | None = None,
+             progress: Callable[[float], None] | None = None) -> SimResult:
     """Run the workload through the cluster until every request finishes (see module doc).
 
     num_replicas: replicas ready at t=0 (the autoscaler's starting target). routers: one
-    policy object per ingress router, fresh for each run (they keep state).
+    policy object per ingress router, fresh for each run (they keep state). progress:
+    called with the virtual time every 10 virtual seconds (see ClusterSim.run).
     """
     with _cyclic_gc_paused():
         return ClusterSim(workload, routers, num_replicas, config or ClusterSimConfig(),
-                          autoscaler).run()
+                          autoscaler).run(progress)
