@@ -22,7 +22,10 @@ cluster does to them, as Ray Serve does:
   (its own phase); routers see that, plus their own in-flight corrections and in-flight
   counts (`ReplicaView.correction`, `.ongoing`, as `InFlightTracker` would give them);
   `ReplicaView.cached_prefix_tokens` asks the replica's prefix cache as it is now (the
-  real path would answer from the block hashes of its last stats report);
+  real path would answer from the block hashes of its last stats report), and
+  `RoutingContext.prefix_cache` gives every replica's answer in one call
+  (`cluster_sim_prefix.ClusterPrefixCache`: a cluster-wide index of who was sent each
+  first block, so most queries cost one lookup, not one per replica);
 * max_ongoing_requests: a replica with that many requests in flight is not offered; when
   none is free the request waits at its router and is retried as soon as one frees up;
 * autoscaling: replicas push (kv_usage, num_waiting, num_running) every
@@ -34,18 +37,23 @@ cluster does to them, as Ray Serve does:
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 import math
 import random
-from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
 
 from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.cluster_sim_replica import SimReplica
+from iterserve.autoscale.cluster_sim_state import (
+    DRAINING,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    ReplicaSlot,
+    RouterState,
+    cyclic_gc_paused,
+)
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
     ItlCounter,
@@ -54,7 +62,6 @@ from iterserve.autoscale.cluster_sim_types import (
     SimResult,
 )
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
-from iterserve.autoscale.router_policy import Correction
 from iterserve.autoscale.routing_context import (
     AutoscalingPolicy,
     ReplicaView,
@@ -66,66 +73,6 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.request import Request
 
 ARRIVE, WAKE, POLL, PUSH, TICK, READY = range(6)
-
-STARTING, RUNNING, DRAINING, STOPPED = "starting", "running", "draining", "stopped"
-
-
-@dataclass(eq=False)
-class ReplicaSlot:
-    """A replica's life in the cluster (the engine exists once it is running)."""
-
-    replica_id: str
-    created_at: float
-    state: str = STARTING
-    replica: SimReplica | None = None
-    stopped_at: float | None = None
-    ongoing: int = 0  # requests in flight there, from every router
-    samples: deque = field(default_factory=deque)  # (t, kv, waiting, running)
-    wake_at: float | None = None
-
-
-@dataclass(eq=False)
-class RouterState:
-    """One ingress router: its policy, and what it alone knows (its in-flight requests)."""
-
-    index: int
-    policy: RoutingPolicy
-    rng: random.Random
-    queue: deque = field(default_factory=deque)  # requests waiting for a free replica
-    ongoing: dict[str, int] = field(default_factory=dict)
-    committed: dict[str, int] = field(default_factory=dict)  # prompt + max_tokens in flight
-    unseen: dict[str, dict[str, int]] = field(default_factory=dict)  # sent after the stats
-    unseen_tokens: dict[str, int] = field(default_factory=dict)
-    views: dict[str, ReplicaView] = field(default_factory=dict)  # valid until a change
-
-    def correction(self, replica_id: str) -> Correction:
-        """What `InFlightTracker.corrections` gives for this replica, kept incrementally."""
-        unseen = self.unseen.get(replica_id)
-        committed = self.committed.get(replica_id, 0)
-        if not unseen and not committed:
-            return Correction(0)
-        return Correction(len(unseen or ()), self.unseen_tokens.get(replica_id, 0), committed)
-
-    def routed(self, replica_id: str, request_id: str, tokens: int) -> None:
-        self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
-        self.committed[replica_id] = self.committed.get(replica_id, 0) + tokens
-        self.unseen.setdefault(replica_id, {})[request_id] = tokens
-        self.unseen_tokens[replica_id] = self.unseen_tokens.get(replica_id, 0) + tokens
-        self.views.pop(replica_id, None)
-
-    def completed(self, replica_id: str, request_id: str, tokens: int) -> None:
-        self.ongoing[replica_id] -= 1
-        self.committed[replica_id] -= tokens
-        unseen = self.unseen.get(replica_id)
-        if unseen and request_id in unseen:
-            self.unseen_tokens[replica_id] -= unseen.pop(request_id)
-        self.views.pop(replica_id, None)
-
-    def stats_published(self, replica_id: str) -> None:
-        """The replica's new stats reflect everything routed to it so far."""
-        self.unseen.pop(replica_id, None)
-        self.unseen_tokens.pop(replica_id, None)
-        self.views.pop(replica_id, None)
 
 
 class ClusterSim:
@@ -435,20 +382,6 @@ class ClusterSim:
         )
 
 
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """The run allocates millions of small objects and frees them all by reference
-    counting (it builds no reference cycles); Python's cyclic collector would traverse the
-    live ones again and again, about a quarter of the run's CPU time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def simulate(workload: Sequence[SimRequest], routers: Sequence[RoutingPolicy],
              num_replicas: int = 1, config: ClusterSimConfig | None = None,
              autoscaler: AutoscalingPolicy | None = None,
@@ -459,6 +392,6 @@ def simulate(workload: Sequence[SimRequest], routers: Sequence[RoutingPolicy],
     policy object per ingress router, fresh for each run (they keep state). progress:
     called with the virtual time every 10 virtual seconds (see ClusterSim.run).
     """
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         return ClusterSim(workload, routers, num_replicas, config or ClusterSimConfig(),
                           autoscaler).run(progress)

@@ -54,7 +54,7 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
 class VirtualClock:
     """A replica's virtual time, which its scheduler reads. Not a bound method of the
     replica: that would make replica <-> scheduler a reference cycle, which only the cyclic
-    collector frees (the simulator pauses it: see cluster_sim._cyclic_gc_paused)."""
+    collector frees (the simulator pauses it: see cluster_sim_state.cyclic_gc_paused)."""
 
     __slots__ = ("now",)
 
