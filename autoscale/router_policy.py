@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from iterserve.autoscale.config import RouterConfig
+
 # InFlightTracker lives in router_inflight; imported from here by its callers too.
 from iterserve.autoscale.router_inflight import Correction, InFlightTracker  # noqa: F401
 from iterserve.autoscale.signals import ReplicaLoad
