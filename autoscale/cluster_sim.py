@@ -22,7 +22,10 @@ cluster does to them, as Ray Serve does:
   (its own phase); routers see that, plus their own in-flight corrections and in-flight
   counts (`ReplicaView.correction`, `.ongoing`, as `InFlightTracker` would give them);
   `ReplicaView.cached_prefix_tokens` asks the replica's prefix cache as it is now (the
-  real path would answer from the block hashes of its last stats report);
+  real path would answer from the block hashes of its last stats report), and
+  `RoutingContext.prefix_cache` gives every replica's answer in one call
+  (`cluster_sim_prefix.ClusterPrefixCache`: a cluster-wide index of who was sent each
+  first block, so most queries cost one lookup, not one per replica);
 * max_ongoing_requests: a replica with that many requests in flight is not offered; when
   none is free the request waits at its router and is retried as soon as one frees up;
 * autoscaling: replicas push (kv_usage, num_waiting, num_running) every
@@ -34,29 +37,31 @@ cluster does to them, as Ray Serve does:
 
 from __future__ import annotations
 
-import collections
-import gc
 import heapq
 import itertools
+import math
 import random
-from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
 
-from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
+from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.cluster_sim_replica import SimReplica
+from iterserve.autoscale.cluster_sim_state import (
+    DRAINING,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    ReplicaSlot,
+    RouterState,
+    cyclic_gc_paused,
+)
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
+    ItlCounter,
     RequestRecord,
     SimRequest,
     SimResult,
-    count_gaps,
-    itl_histogram,
-    request_itl,
 )
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
-from iterserve.autoscale.router_policy import Correction
 from iterserve.autoscale.routing_context import (
     AutoscalingPolicy,
     ReplicaView,
@@ -68,66 +73,6 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.request import Request
 
 ARRIVE, WAKE, POLL, PUSH, TICK, READY = range(6)
-
-STARTING, RUNNING, DRAINING, STOPPED = "starting", "running", "draining", "stopped"
-
-
-@dataclass(eq=False)
-class ReplicaSlot:
-    """A replica's life in the cluster (the engine exists once it is running)."""
-
-    replica_id: str
-    created_at: float
-    state: str = STARTING
-    replica: SimReplica | None = None
-    stopped_at: float | None = None
-    ongoing: int = 0  # requests in flight there, from every router
-    samples: deque = field(default_factory=deque)  # (t, kv, waiting, running)
-    wake_at: float | None = None
-
-
-@dataclass(eq=False)
-class RouterState:
-    """One ingress router: its policy, and what it alone knows (its in-flight requests)."""
-
-    index: int
-    policy: RoutingPolicy
-    rng: random.Random
-    queue: deque = field(default_factory=deque)  # requests waiting for a free replica
-    ongoing: dict[str, int] = field(default_factory=dict)
-    committed: dict[str, int] = field(default_factory=dict)  # prompt + max_tokens in flight
-    unseen: dict[str, dict[str, int]] = field(default_factory=dict)  # sent after the stats
-    unseen_tokens: dict[str, int] = field(default_factory=dict)
-    views: dict[str, ReplicaView] = field(default_factory=dict)  # valid until a change
-
-    def correction(self, replica_id: str) -> Correction:
-        """What `InFlightTracker.corrections` gives for this replica, kept incrementally."""
-        unseen = self.unseen.get(replica_id)
-        committed = self.committed.get(replica_id, 0)
-        if not unseen and not committed:
-            return Correction(0)
-        return Correction(len(unseen or ()), self.unseen_tokens.get(replica_id, 0), committed)
-
-    def routed(self, replica_id: str, request_id: str, tokens: int) -> None:
-        self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
-        self.committed[replica_id] = self.committed.get(replica_id, 0) + tokens
-        self.unseen.setdefault(replica_id, {})[request_id] = tokens
-        self.unseen_tokens[replica_id] = self.unseen_tokens.get(replica_id, 0) + tokens
-        self.views.pop(replica_id, None)
-
-    def completed(self, replica_id: str, request_id: str, tokens: int) -> None:
-        self.ongoing[replica_id] -= 1
-        self.committed[replica_id] -= tokens
-        unseen = self.unseen.get(replica_id)
-        if unseen and request_id in unseen:
-            self.unseen_tokens[replica_id] -= unseen.pop(request_id)
-        self.views.pop(replica_id, None)
-
-    def stats_published(self, replica_id: str) -> None:
-        """The replica's new stats reflect everything routed to it so far."""
-        self.unseen.pop(replica_id, None)
-        self.unseen_tokens.pop(replica_id, None)
-        self.views.pop(replica_id, None)
 
 
 class ClusterSim:
@@ -153,9 +98,12 @@ class ClusterSim:
             raise ValueError("request ids must be unique")
         self.specs = {s.request_id: s for s in self.workload}
         self.slots: list[ReplicaSlot] = []
+        self._slot_by_id: dict[str, ReplicaSlot] = {}
+        self._free: list[ReplicaSlot] | None = None  # running slots with room (None: stale)
         self.prompt_keys = PromptBlockKeys(config.block_size)
+        self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self.published: dict[str, ReplicaLoad] = {}
-        self.itl_bins: collections.Counter = collections.Counter()  # see count_gaps
+        self.itl = ItlCounter()
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
@@ -173,7 +121,11 @@ class ClusterSim:
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
-    def run(self) -> SimResult:
+    def run(self, progress: Callable[[float], None] | None = None,
+            progress_every_s: float = 10.0) -> SimResult:
+        """progress(t): called at the first event at or after every progress_every_s
+        virtual seconds (a long run's heartbeat; it must not touch the simulation)."""
+        next_report = progress_every_s if progress is not None else math.inf
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
                     PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready}
         workload, events = self.workload, self.events
@@ -190,6 +142,9 @@ class ClusterSim:
                 break
             if t > self.config.max_virtual_s:
                 break
+            if t >= next_report:
+                progress(t)
+                next_report = t + progress_every_s
             self.now = t
             handlers[kind](payload)
             if self._freed:  # a request finished: one waiting at a router may go now
@@ -236,7 +191,10 @@ class ClusterSim:
         if slot.state != STARTING:
             return  # cancelled while starting
         slot.state = RUNNING
+        self._free = None
         slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys)
+        if self.config.enable_prefix_caching:
+            self.prefix_cache.add_replica(slot.replica_id, slot.replica.block_manager.cached_blocks)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)
         self._push(self.now + phase, POLL, slot)
         if self.autoscaler is not None:
@@ -248,17 +206,20 @@ class ClusterSim:
     def _dispatch(self, router: RouterState, spec: SimRequest) -> bool:
         """Route one request now; False if every replica is at max_ongoing_requests."""
         limit = self.config.max_ongoing_requests
-        free = [s for s in self.slots if s.state == RUNNING and s.ongoing < limit]
+        free = self._free
+        if free is None:  # recomputed only after a slot's state or room changed
+            free = self._free = [s for s in self.slots if s.state == RUNNING
+                                 and s.ongoing < limit]
         if not free:
             return False
         cache = router.views
         views = [cache.get(s.replica_id) or self._view(router, s) for s in free]
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
-        ctx = RoutingContext(route, views, self.now, self.config.block_size)
+        ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache)
         chosen = router.policy.choose(ctx, router.rng)
-        slot = next((s for s in free if s.replica_id == chosen), None)
-        if slot is None:
+        slot = self._slot_by_id.get(chosen)
+        if slot is None or slot.state != RUNNING or slot.ongoing >= limit:  # not offered
             raise ValueError(f"router {router.policy.name!r} chose {chosen!r}, not one of "
                              "the replicas it was offered")
         record = self.records[spec.request_id]
@@ -269,7 +230,11 @@ class ClusterSim:
             self.num_open -= 1
             return True
         record.routed, record.replica = self.now, slot.replica_id
+        self.prefix_cache.routed(slot.replica_id, spec.prompt_token_ids, spec.max_tokens,
+                                 spec.output_token_id)
         slot.ongoing += 1
+        if slot.ongoing == limit:
+            self._free = None
         router.routed(slot.replica_id, spec.request_id, len(spec.prompt_token_ids)
                       + spec.max_tokens)
         router.policy.on_routed(route, slot.replica_id, self.now)
@@ -329,9 +294,10 @@ class ClusterSim:
         record.output_tokens = request.num_output_tokens
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions
-        gaps, record.itl_max, record.itl_p99 = request_itl(request.token_times)
-        count_gaps(self.itl_bins, gaps)
+        record.itl_max, record.itl_p99 = self.itl.add(request.token_times)
         slot.ongoing -= 1
+        if slot.ongoing == self.config.max_ongoing_requests - 1:
+            self._free = None
         self.num_open -= 1
         router = self.routers[record.router]
         router.completed(slot.replica_id, request.request_id,
@@ -341,6 +307,7 @@ class ClusterSim:
     def _start_slot(self, ready_at: float) -> ReplicaSlot:
         slot = ReplicaSlot(f"replica-{len(self.slots)}", created_at=self.now)
         self.slots.append(slot)
+        self._slot_by_id[slot.replica_id] = slot
         if ready_at <= self.now:
             self._on_ready(slot)
         else:
@@ -349,6 +316,7 @@ class ClusterSim:
 
     def _stop(self, slot: ReplicaSlot) -> None:
         slot.state = STOPPED
+        self._free = None
         slot.stopped_at = self.now
         self._record_counts()
 
@@ -387,6 +355,7 @@ class ClusterSim:
                 self._stop(slot)
                 continue
             slot.state = DRAINING
+            self._free = None
             self.published.pop(slot.replica_id, None)
             for router in self.routers:
                 router.views.pop(slot.replica_id, None)
@@ -406,35 +375,23 @@ class ClusterSim:
             end_time=end,
             prefix_query_tokens=sum(e.block_manager.prefix_queries for e in engines),
             prefix_hit_tokens=sum(e.block_manager.prefix_hits for e in engines),
-            itl_counts=itl_histogram(self.itl_bins),
+            itl_counts=self.itl.histogram(),
             num_steps=sum(e.num_steps for e in engines),
             router_names=[r.policy.name for r in self.routers],
             autoscaler_name=None if self.autoscaler is None else self.autoscaler.name,
         )
 
 
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """The run allocates millions of small objects and frees them all by reference
-    counting (it builds no reference cycles); Python's cyclic collector would traverse the
-    live ones again and again, about a quarter of the run's CPU time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def simulate(workload: Sequence[SimRequest], routers: Sequence[RoutingPolicy],
              num_replicas: int = 1, config: ClusterSimConfig | None = None,
-             autoscaler: AutoscalingPolicy | None = None) -> SimResult:
+             autoscaler: AutoscalingPolicy | None = None,
+             progress: Callable[[float], None] | None = None) -> SimResult:
     """Run the workload through the cluster until every request finishes (see module doc).
 
     num_replicas: replicas ready at t=0 (the autoscaler's starting target). routers: one
-    policy object per ingress router, fresh for each run (they keep state).
+    policy object per ingress router, fresh for each run (they keep state). progress:
+    called with the virtual time every 10 virtual seconds (see ClusterSim.run).
     """
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         return ClusterSim(workload, routers, num_replicas, config or ClusterSimConfig(),
-                          autoscaler).run()
+                          autoscaler).run(progress)

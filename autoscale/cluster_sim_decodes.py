@@ -23,11 +23,8 @@ import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.block_manager import BlockManager, BlockTokens, block_tokens
 from iterserve.replica.request import Request
-
-ALLOC, REGISTER, FINISH = 0, 1, 2
-SCHEDULE_PHASE, UPDATE_PHASE = 0, 1
 
 
 @dataclass(eq=False)
@@ -39,6 +36,7 @@ class Decoder:
     outputs0: int  # its num_output_tokens then
     finish_step: int
     token: int  # what it samples at every position
+    run: BlockTokens = b""  # a block of that token, in block_tokens form
     alloc_from: int = 0  # its first ALLOC step (then every block_size steps)
     register_from: int = 0  # its first REGISTER step (then every block_size steps)
 
@@ -75,7 +73,8 @@ class DecodeCohort:
         params = request.sampling_params
         left = min(params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
-        member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token)
+        member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token,
+                         block_tokens((token,) * block_size))
         rid = request.request_id
         self.members[rid] = member
         self.kv_base += c0 - step
@@ -126,26 +125,28 @@ class DecodeCohort:
         self.kv_base = 0
 
     # ---------------------------------------------------------------------- events
-    def due(self, step: int, phase: int) -> list[tuple[int, Decoder]]:
-        """The (kind, member) events of this step and phase, in the scheduler's order:
-        admission order, and a member's REGISTER before its FINISH."""
-        size = self.block_manager.block_size
-        if phase == SCHEDULE_PHASE:
-            return [(ALLOC, m) for m in self._allocs[step % size] if m.alloc_from <= step]
-        out = [(REGISTER, m) for m in self._registers[step % size] if m.register_from <= step]
+    def due_allocs(self, step: int) -> list[Decoder]:
+        """The members whose schedule() of step `step` takes a block, in admission order."""
+        return [m for m in self._allocs[step % self.block_manager.block_size]
+                if m.alloc_from <= step]
+
+    def due_registers(self, step: int) -> list[Decoder]:
+        """The members whose update() of step `step` completes a block, in admission
+        order (before any FINISH of the step: a member registers before it finishes)."""
+        return [m for m in self._registers[step % self.block_manager.block_size]
+                if m.register_from <= step]
+
+    def due_finishes(self, step: int) -> list[Decoder]:
+        """The members that sample their last token in step `step`, in admission order."""
         finishes = self._finishes
-        if finishes and finishes[0][0] == step:
-            while finishes and finishes[0][0] == step:
-                _, seq, rid = heapq.heappop(finishes)
-                member = self.members.get(rid)
-                if member is not None and member.seq == seq:
-                    out.append((FINISH, member))
-            out.sort(key=_event_order)
-        return out
+        out = []
+        while finishes and finishes[0][0] == step:
+            _, seq, rid = heapq.heappop(finishes)
+            member = self.members.get(rid)
+            if member is not None and member.seq == seq:
+                out.append(member)
+        return out  # the heap pops (step, seq) in order
 
 
 _admission = operator.attrgetter("seq")
 
-
-def _event_order(event: tuple[int, Decoder]) -> tuple[int, int]:
-    return event[1].seq, event[0]

@@ -25,18 +25,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from iterserve.autoscale.cluster_sim_decodes import (
-    ALLOC,
-    FINISH,
-    SCHEDULE_PHASE,
-    UPDATE_PHASE,
-    DecodeCohort,
-    Decoder,
-)
+from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
 from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.block_manager import BlockManager, BlockTokens
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
@@ -61,7 +54,7 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
 class VirtualClock:
     """A replica's virtual time, which its scheduler reads. Not a bound method of the
     replica: that would make replica <-> scheduler a reference cycle, which only the cyclic
-    collector frees (the simulator pauses it: see cluster_sim._cyclic_gc_paused)."""
+    collector frees (the simulator pauses it: see cluster_sim_state.cyclic_gc_paused)."""
 
     __slots__ = ("now",)
 
@@ -197,14 +190,13 @@ class SimReplica:
         config = self.scheduler_config
         if n >= config.max_num_seqs or n >= config.max_num_batched_tokens:
             return None
-        allocations = decodes.due(step, SCHEDULE_PHASE)
+        allocations = decodes.due_allocs(step)
         rest = self._prefilling  # the running requests that are not decodes, in order
         if len(allocations) + self._blocks_for_prefills(rest, config.max_num_batched_tokens - n) \
                 > bm.num_free_blocks:
             return None  # a preemption is possible: the whole scheduler decides
-        for _, member in allocations:
-            member.request.num_computed_tokens = member.computed_after(step - 1)
-            bm.allocate(member.request, 1)
+        if allocations:  # each passes its last block by one token: one block each, in order
+            bm.append_blocks([member.request.request_id for member in allocations])
         if not rest and not scheduler.num_waiting:
             self._admitted = []
             return SchedulerOutput()  # schedule() would find nothing to do: skip the call
@@ -287,29 +279,55 @@ class SimReplica:
                                 and r.request_id not in members]
 
     def _update_decodes(self, step: int) -> None:
+        """The step's REGISTERs (admission order), then its FINISHes (admission order): the
+        order of the per-step update, where a finish frees only its own blocks and a
+        registration touches only the registering request's own newest block."""
         decodes = self.decodes
-        for kind, member in decodes.due(step, UPDATE_PHASE):
+        registers = decodes.due_registers(step)
+        if registers:
+            self._register_decode_blocks(registers, step)
+        for member in decodes.due_finishes(step):
             request = member.request
-            if kind == FINISH:
-                decodes.leave(request.request_id, step)
-                decodes.materialise(member, step, self._step_ends)
-                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-                self._forget(request)
-            elif kind != ALLOC:  # REGISTER: the block it just filled joins the prefix cache
-                self._register_decode_block(member, step)
+            decodes.leave(request.request_id, step)
+            decodes.materialise(member, step, self._step_ends)
+            self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+            self._forget(request)
 
-    def _register_decode_block(self, member: Decoder, step: int) -> None:
-        """A block of output tokens is a run of the member's token (every sampled token of
-        a simulated request is its output_token_id): registered without materialising the
-        request's tokens; a block that still holds prompt tokens takes the general path."""
-        request, size = member.request, self.block_manager.block_size
-        computed = member.computed_after(step)
-        request.num_computed_tokens = computed
-        if computed - size >= request.num_prompt_tokens and \
-                self.block_manager.register_next_block(request, (member.token,) * size):
-            return
-        self.decodes.materialise(member, step)
-        self.block_manager.mark_computed(request)
+    def _register_decode_blocks(self, members: list[Decoder], step: int) -> None:
+        """The blocks these members just filled join the prefix cache, in order. A block of
+        output tokens is a run of the member's token (every sampled token of a simulated
+        request is its output_token_id): registered without materialising the request's
+        tokens; one that still holds prompt tokens, or that the block manager declines,
+        takes the general path (materialise, mark_computed) in its turn."""
+        bm = self.block_manager
+        size = bm.block_size
+        runs: list[Request] = []
+        tokens: list[BlockTokens] = []
+        waiting: list[Decoder] = []  # the members of runs, not yet registered
+        for member in members:
+            request = member.request
+            computed = member.computed0 + step - member.join_step
+            request.num_computed_tokens = computed
+            if computed - size >= len(request.prompt_token_ids):
+                runs.append(request)
+                tokens.append(member.run)
+                waiting.append(member)
+            else:
+                self._register_runs(runs, tokens, waiting, step)
+                runs, tokens, waiting = [], [], []
+                self.decodes.materialise(member, step)
+                bm.mark_computed(request)
+        self._register_runs(runs, tokens, waiting, step)
+
+    def _register_runs(self, runs: list[Request], tokens: list[BlockTokens],
+                       members: list[Decoder], step: int) -> None:
+        bm, i = self.block_manager, 0
+        while i < len(runs):
+            i = bm.register_output_blocks(runs, tokens, i)
+            if i < len(runs):  # declined: the general path, in its turn
+                self.decodes.materialise(members[i], step)
+                bm.mark_computed(runs[i])
+                i += 1
 
     def _join_decodes(self, step: int, candidates: list[Request]) -> None:
         """Running requests the step left with one token to compute become decodes."""

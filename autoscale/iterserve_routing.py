@@ -3,7 +3,8 @@
 It calls `KVRouterCore` (affinity table, in-flight tracker, routed-work meter,
 `rank_replicas`) exactly as the Ray adapter `KVAwareRouter` does: shuffle the candidates
 (independent routers must not break ties towards the same replica), rank on the replicas'
-last reported loads corrected by the requests in flight, take the first; record the route;
+last reported loads corrected by the requests in flight, take the first (`best`: the first
+of `rank` without ordering the rest); record the route;
 forget it on completion. The only differences are where the replica ids, loads and clock
 come from, and where the in-flight corrections come from (`InFlightSource`):
 
@@ -17,11 +18,10 @@ come from, and where the in-flight corrections come from (`InFlightSource`):
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.router_policy import Correction
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 
@@ -60,24 +60,23 @@ class IterserveRouter:
         self._pending = (request.request_id, key, tokens)
         return key, tokens
 
-    def _corrections(self, ctx: RoutingContext) -> Mapping[Hashable, Correction] | None:
-        if self.in_flight == CALLER_VIEWS:
-            return {v.replica_id: v.correction for v in ctx.replicas}
-        return None  # the core's own tracker
-
     def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         shuffled = list(ctx.replicas)
         rng.shuffle(shuffled)
-        loads = {v.replica_id: v.load for v in shuffled}
+        ids = [v.replica_id for v in shuffled]
         key, tokens = self._key(ctx.request)
         prompt = ctx.request.prompt_token_ids
         self._cached = None
-        if self.use_replica_cache and all(v.cached_prefix_tokens is not None for v in shuffled):
-            self._cached = {v.replica_id: v.cached_prefix_tokens(prompt) for v in shuffled}
-        ranked = self.core.rank(list(loads), loads, key, tokens, ctx.now,
-                                prompt_tokens=len(prompt), cached_tokens=self._cached,
-                                corrections=self._corrections(ctx))
-        return ranked[0]
+        if self.use_replica_cache:
+            if ctx.prefix_cache is not None:  # the caller answers for every replica at once
+                self._cached = ctx.prefix_cache(prompt, ids)
+            elif all(v.cached_prefix_tokens is not None for v in shuffled):
+                self._cached = {v.replica_id: v.cached_prefix_tokens(prompt) for v in shuffled}
+        corrections = [v.correction for v in shuffled] if self.in_flight == CALLER_VIEWS \
+            else None
+        return self.core.best(ids, [v.load for v in shuffled], key, tokens, ctx.now,
+                              prompt_tokens=len(prompt), cached_tokens=self._cached,
+                              corrections=corrections)
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:
         key, tokens = self._key(request)

@@ -113,8 +113,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         if not hasattr(self, "config"):
             self.initialize_state()
 
-    def _loads(self, replicas: Sequence[RunningReplica]) -> dict[ReplicaID, ReplicaLoad | None]:
-        return {r.replica_id: ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas}
+    def _loads(self, replicas: Sequence[RunningReplica]) -> list[ReplicaLoad | None]:
+        return [ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas]
 
     def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int, int]:
         """(prefix-affinity key or None, KV footprint: prompt + max_tokens, prompt length),
@@ -145,7 +145,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         key, num_tokens, prompt_tokens = self._prompt(pending_request)
         # Replicas do not report their prefix-cache block hashes to Ray's router yet, so
         # cached_tokens is unknown here and the affinity table stands in for it.
-        ranked = self._core.rank(list(by_id), loads, key, num_tokens, time.time(),
+        ranked = self._core.rank([r.replica_id for r in shuffled], loads, key, num_tokens, time.time(),
                                  prompt_tokens=prompt_tokens)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before

@@ -6,7 +6,7 @@ router's own sends; `rank_replicas` weighs it in (`routed_work`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
 R = TypeVar("R", bound=Hashable)
@@ -29,6 +29,17 @@ class RoutedWorkMeter(Generic[R]):
         entry = self._tokens.get(replica_id)
         base = 0.0 if entry is None else self._decayed(entry, now)
         self._tokens[replica_id] = (base + tokens, now)
+
+    def values(self, replica_ids: Sequence[R], now: float) -> list[float]:
+        """`snapshot(now).get(r, 0.0)` for each replica, without the snapshot: the same
+        float operations as `_decayed` (max(0.0, d) is `d if d > 0.0 else 0.0`)."""
+        get, half_life = self._tokens.get, self._half_life_s
+        return [0.0 if (e := get(r)) is None else
+                e[0] * 0.5 ** ((d if (d := now - e[1]) > 0.0 else 0.0) / half_life)
+                for r in replica_ids]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
 
     def snapshot(self, now: float) -> dict[R, float]:
         return {rid: self._decayed(e, now) for rid, e in self._tokens.items()}

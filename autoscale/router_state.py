@@ -1,9 +1,11 @@
 """The state and calls of iterserve's router, shared by the Ray adapter and the simulator.
 
-`KVRouterCore` owns one router's prefix-affinity table and in-flight tracker and calls
-`rank_replicas` with them. `autoscale/router.py` (Ray Serve's `RequestRouter`) and
-`autoscale/iterserve_routing.py` (the `RoutingPolicy` the cluster simulator and the
-tournament run) both delegate to it, so both run the same code on the same state.
+`KVRouterCore` owns one router's prefix-affinity table, in-flight tracker and routed-work
+meter, and ranks with them: `rank_replicas`'s decision, computed by its `ScoreTable`
+(per-replica terms kept between requests; `router_table`). `autoscale/router.py` (Ray
+Serve's `RequestRouter`) and `autoscale/iterserve_routing.py` (the `RoutingPolicy` the
+cluster simulator and the tournament run) both delegate to it, so both run the same code on
+the same state.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from iterserve.autoscale.router_policy import (
     PrefixAffinityTable,
     R,
     prefix_hash,
-    rank_replicas,
 )
+from iterserve.autoscale.router_table import ScoreTable
 from iterserve.autoscale.signals import ReplicaLoad
 
 
@@ -30,6 +32,8 @@ class KVRouterCore(Generic[R]):
         self.affinity: PrefixAffinityTable[R] = PrefixAffinityTable(config.prefix_max_entries)
         self.in_flight: InFlightTracker[R] = InFlightTracker()
         self.routed_work: RoutedWorkMeter[R] = RoutedWorkMeter(config.routed_work_half_life_s)
+        self.table: ScoreTable[R] = ScoreTable(config)
+        self.in_flight.on_change = self.table.invalidate
 
     def request_key(self, token_ids: Sequence[int] | None, max_tokens: int
                     ) -> tuple[int | None, int]:
@@ -42,28 +46,43 @@ class KVRouterCore(Generic[R]):
                               self.config.prefix_num_blocks)
         return key, len(token_ids) + max_tokens
 
-    def rank(self, candidates: Sequence[R], loads: Mapping[R, ReplicaLoad | None],
+    def rank(self, candidates: Sequence[R], loads: Sequence[ReplicaLoad | None],
              key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
              cached_tokens: Mapping[R, int] | None = None,
-             corrections: Mapping[R, Correction] | None = None) -> list[R]:
-        """Candidates best first (`rank_replicas` with this router's state).
-        cached_tokens: the replicas' own prefix-cache answers for this prompt, if known.
-        corrections: in-flight corrections from elsewhere (None: this router's tracker)."""
-        if corrections is None:
-            corrections = self.in_flight.corrections(loads)
-        return rank_replicas(
-            candidates=candidates,
-            loads=loads,
-            in_flight_corrections=corrections,
-            config=self.config,
-            prompt_prefix_hash=key,
-            affinity=self.affinity.as_mapping(),
-            now=now,
-            request_tokens=num_tokens,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            routed_work=self.routed_work.snapshot(now) if self.config.routed_work_weight else None,
-        )
+             corrections: Sequence[Correction | None] | None = None) -> list[R]:
+        """Candidates best first: `rank_replicas` with this router's state (computed by its
+        `ScoreTable`: same order). loads[i]: candidates[i]'s last stats (None: none yet).
+        cached_tokens: the replicas' own prefix-cache answers for this prompt (missing: 0),
+        if known. corrections[i]: candidates[i]'s in-flight correction from elsewhere
+        (None: this router's tracker)."""
+        return self._decide(candidates, loads, key, num_tokens, now, prompt_tokens,
+                            cached_tokens, corrections, full=True)
+
+    def best(self, candidates: Sequence[R], loads: Sequence[ReplicaLoad | None],
+             key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
+             cached_tokens: Mapping[R, int] | None = None,
+             corrections: Sequence[Correction | None] | None = None) -> R:
+        """`rank(...)[0]` without ordering the rest."""
+        return self._decide(candidates, loads, key, num_tokens, now, prompt_tokens,
+                            cached_tokens, corrections, full=False)[0]
+
+    def _decide(self, candidates: Sequence[R], loads: Sequence[ReplicaLoad | None],
+                key: int | None, num_tokens: int, now: float, prompt_tokens: int,
+                cached_tokens: Mapping[R, int] | None,
+                corrections: Sequence[Correction | None] | None, full: bool) -> list[R]:
+        if len(loads) != len(candidates) or (corrections is not None
+                                             and len(corrections) != len(candidates)):
+            raise ValueError("loads and corrections must be aligned with the candidates")
+        table = self.table
+        rows = table.rows_for(candidates)
+        table.refresh(candidates, rows, loads, corrections, self.in_flight.correction)
+        affinity = self.affinity.as_mapping()
+        pending = affinity.get(key) if affinity and key is not None else None
+        work = None
+        if self.config.routed_work_weight and len(self.routed_work):
+            work = self.routed_work.values(candidates, now)
+        return table.decide(candidates, rows, now, num_tokens, prompt_tokens,
+                            cached_tokens, work, pending, full)
 
     def routed(self, request_id: str, replica_id: R, now: float, key: int | None,
                num_tokens: int, prefill_tokens: int = 0) -> None:

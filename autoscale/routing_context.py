@@ -12,7 +12,7 @@ Invariant: `choose` returns the `replica_id` of one of `ctx.replicas` (never emp
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,12 +51,22 @@ class ReplicaView:
     cached_prefix_tokens: Callable[[Sequence[int]], int] | None = None
 
 
+# (prompt, replica ids) -> {replica id: cached leading prompt tokens}, replicas holding none
+# of it left out: every replica's `cached_prefix_tokens` answered at once.
+PrefixCacheAnswers = Callable[[Sequence[int], Sequence[Hashable]], Mapping[Hashable, int]]
+
+
 @dataclass(frozen=True)
 class RoutingContext:
+    """prefix_cache: where the caller can answer `ReplicaView.cached_prefix_tokens` for all
+    the replicas in one call (the cluster simulator: one lookup per replica cache rather
+    than a call per replica), that call; the answers are the views' own."""
+
     request: RouteRequest
     replicas: Sequence[ReplicaView]
     now: float
     block_size: int  # the engines' KV block size (the router's prefix granularity)
+    prefix_cache: PrefixCacheAnswers | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -10,12 +10,13 @@ completes when saturated, measured first on one replica), times the replica coun
 ingress router; --autoscaler runs the production autoscaling policy every
 autoscale_interval_s on pushed metrics, its bounds pinned at N so that the run stays at N
 replicas. Prints wall and CPU seconds, peak memory, the box's load average, requests,
-engine steps and the summary.
+engine steps and the summary (--digest: and the sha256 of the whole result's JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autoscaler", action="store_true",
                         help="run the production autoscaling policy (bounds pinned at N)")
     parser.add_argument("--no-fast-forward", action="store_true")
+    parser.add_argument("--progress", action="store_true",
+                        help="print (virtual s, CPU s, wall s) to stderr every 10 virtual s")
+    parser.add_argument("--digest", action="store_true",
+                        help="also print the sha256 of the result's JSON (same seed, same "
+                        "digest; computed after the timing)")
     args = parser.parse_args(argv)
     config = ClusterSimConfig(fast_forward=not args.no_fast_forward)
     capacity = args.capacity or replica_capacity(args.workload, config)
@@ -84,8 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         min_replicas=args.replicas, max_replicas=args.replicas)) if args.autoscaler else None
     load_before = os.getloadavg()
     t1, c1 = time.perf_counter(), time.process_time()
+    def heartbeat(virtual_s: float) -> None:
+        print(json.dumps({"virtual_s": round(virtual_s, 3),
+                          "cpu_s": round(time.process_time() - c1, 2),
+                          "wall_s": round(time.perf_counter() - t1, 2)}),
+              file=sys.stderr, flush=True)
+
     result = simulate(workload, [ROUTERS[args.router]() for _ in range(args.routers)],
-                      args.replicas, config, autoscaler)
+                      args.replicas, config, autoscaler,
+                      progress=heartbeat if args.progress else None)
     t2, c2 = time.perf_counter(), time.process_time()
     print(json.dumps({"router": args.router, "autoscaler": args.autoscaler,
                       "replicas": args.replicas, "virtual_s": args.duration,
@@ -96,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
                       **result.summary()}, indent=1))
+    if args.digest:
+        print(json.dumps({"result_sha256": hashlib.sha256(result.to_json().encode()).hexdigest()}))
     return 0
 
 

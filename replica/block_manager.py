@@ -9,12 +9,27 @@ Invariant, checked by `check_invariants` in tests after every step:
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from iterserve.replica.request import Request
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its key holds them: block_tokens
+BlockKey = tuple[int, BlockTokens]  # (hash of the previous block's key, this block's tokens)
+
+
+def block_tokens(tokens: Sequence[int]) -> BlockTokens:
+    """A block's tokens as its prefix-cache key holds them: 8 bytes a token (a bytes object
+    caches its own hash and holds no int objects, so a cache of millions of blocks takes a
+    third of the memory, and evicting one touches a few cache lines, not one per token),
+    or a tuple where a token id does not fit int64. One form per content: equal blocks get
+    equal keys, so the prefix cache finds what it found with tuples of ints."""
+    try:
+        return array("q", tokens).tobytes()
+    except (OverflowError, TypeError):
+        return tuple(tokens)
 
 
 @dataclass(slots=True)
@@ -85,7 +100,7 @@ class BlockManager:
         hits: list[int] = []
         parent = 0
         for i in range(max_blocks):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            key = (parent, block_tokens(tokens[i * self.block_size : (i + 1) * self.block_size]))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
                 break
@@ -102,10 +117,17 @@ class BlockManager:
             return
         block_size = self.block_size
         tokens = self._token_range(request, start * block_size, end * block_size)
+        try:  # all the blocks' tokens in one conversion, then a slice each
+            packed: BlockTokens | None = array("q", tokens).tobytes()
+        except (OverflowError, TypeError):
+            packed = None  # some block's tokens do not fit: each block converts its own
         cached, blocks = self.cached_blocks, self.blocks
-        offset = 0
+        offset, width = 0, 8 * block_size
         for i in range(start, end):
-            key = (parent, tuple(tokens[offset : offset + block_size]))
+            if packed is not None:
+                key = (parent, packed[offset * 8 : offset * 8 + width])
+            else:
+                key = (parent, block_tokens(tokens[offset : offset + block_size]))
             offset += block_size
             block = blocks[table[i]]
             # An identical block may already be cached (two requests computed the same prefix
@@ -115,7 +137,8 @@ class BlockManager:
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 
-    def register_next_block(self, request: Request, tokens: tuple[int, ...]) -> bool:
+    def register_next_block(self, request: Request, tokens: Sequence[int] | BlockTokens
+                            ) -> bool:
         """`mark_computed` for a request whose computed tokens just filled exactly one more
         block, whose tokens the caller knows (a simulator's decode: no token list to slice).
         False (nothing done) where that is not the case: call mark_computed instead."""
@@ -127,13 +150,41 @@ class BlockManager:
         end = min(request.num_computed_tokens // self.block_size, len(table))
         if end != start + 1:
             return False
-        key = (parent, tokens)
+        key = (parent, tokens if isinstance(tokens, bytes) else block_tokens(tokens))
         block = self.blocks[table[start]]
         if block.key is None and self.cached_blocks.setdefault(key, block.block_id) \
                 == block.block_id:
             block.key = key
         self.num_registered[rid] = (end, hash(key))
         return True
+
+    def register_output_blocks(self, requests: Sequence[Request], runs: Sequence[BlockTokens],
+                               start: int = 0) -> int:
+        """`register_next_block(requests[i], runs[i])` for i = start, start + 1, ... in order
+        (a simulator's decodes that completed a block in the same step; runs[i] in
+        `block_tokens` form), stopping at the first it declines: returns that i
+        (len(requests): none declined)."""
+        tables, registered = self.block_tables, self.num_registered
+        cached, blocks, block_size = self.cached_blocks, self.blocks, self.block_size
+        if not self.enable_prefix_caching:
+            return len(requests)
+        for i in range(start, len(requests)):
+            request = requests[i]
+            rid = request.request_id
+            table = tables.get(rid)
+            if table is None:
+                continue
+            first, parent = registered.get(rid, (0, 0))
+            end = min(request.num_computed_tokens // block_size, len(table))
+            if end != first + 1:
+                return i
+            run = runs[i]
+            key = (parent, run if isinstance(run, bytes) else block_tokens(run))
+            block = blocks[table[first]]
+            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
+                block.key = key
+            registered[rid] = (end, hash(key))
+        return len(requests)
 
     @staticmethod
     def _token_range(request: Request, lo: int, hi: int) -> list[int]:
@@ -217,6 +268,17 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         if needed > 0:
             table += self._take_free(needed)
+
+    def append_blocks(self, request_ids: Sequence[str]) -> None:
+        """One more block each for these requests, in order: what `allocate(request, n)`
+        does for a running request whose n new tokens pass its last block by exactly one
+        (a simulator's decodes crossing a block boundary in the same step). Raises
+        RuntimeError, taking nothing, if fewer blocks are free."""
+        if len(request_ids) > len(self.free_block_ids):
+            raise RuntimeError("out of KV blocks for the requests' next blocks")
+        tables = self.block_tables
+        for rid, block_id in zip(request_ids, self._take_free(len(request_ids)), strict=True):
+            tables[rid].append(block_id)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

@@ -109,3 +109,149 @@ def test_register_next_block_equals_mark_computed() -> None:
     bm.allocate(request, 12)
     request.num_computed_tokens = 12
     assert not bm.register_next_block(request, (7,) * 4)
+
+
+def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
+    from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache
+
+    rng = random.Random(2)
+    shared = [rng.randrange(50) for _ in range(24)]
+    keys = PromptBlockKeys(block_size=4)
+    index = ClusterPrefixCache(keys)
+    managers = {}
+    for name, depth in (("a", 0), ("b", 2), ("c", 5), ("d", 3)):
+        bm = BlockManager(num_blocks=100, block_size=4, enable_prefix_caching=True)
+        tokens = shared[: 4 * depth] + [200] * 3
+        request = Request("w", tokens, SamplingParams(max_tokens=1), 0.0)
+        bm.allocate(request, len(tokens))
+        request.num_computed_tokens = len(tokens)
+        bm.mark_computed(request)
+        managers[name] = bm
+        if name != "d":  # d: a replica the index was not told about holds nothing for it
+            index.add_replica(name, bm.cached_blocks)
+            index.routed(name, tokens, 1, 200)
+    for n in range(0, 26):
+        prompt = tuple(shared[:n]) + (7,)
+        want = {name: 4 * keys.num_cached_blocks(prompt, bm.cached_blocks)
+                for name, bm in managers.items() if name != "d"}
+        got = index(prompt, ["a", "b", "c", "d"])
+        assert got == {name: hit for name, hit in want.items() if hit}
+    index.remove_replica("c")
+    assert "c" not in index(tuple(shared) + (7,), ["a", "b", "c"])
+    assert "b" not in index(tuple(shared) + (7,), ["a", "c"])  # answers only those asked
+    # a first block that no request routed anywhere began with: nobody is asked
+    assert index((99,) * 9, ["a", "b", "c"]) == {}
+    # short prompts: their first block is completed by the generated tokens
+    short = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    request = Request("s", [5, 6], SamplingParams(max_tokens=3), 0.0)
+    short.allocate(request, 4)
+    request.output_token_ids += [8, 8]
+    request.num_computed_tokens = 4
+    short.mark_computed(request)
+    index.add_replica("s", short.cached_blocks)
+    index.routed("s", [5, 6], 3, 8)
+    assert index((5, 6, 8, 8, 1), ["s"]) == {"s": 4}
+
+
+def _state(bm: BlockManager) -> tuple:
+    return (bm.block_tables, bm.num_registered, bm.cached_blocks, list(bm.free_block_ids),
+            [(b.ref_count, b.key) for b in bm.blocks])
+
+
+def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
+    """append_blocks == allocate(request, 1) each; register_output_blocks ==
+    register_next_block each (stopping where it declines), cached blocks reused included."""
+    rng = random.Random(3)
+    managers = [BlockManager(num_blocks=40, block_size=4, enable_prefix_caching=True)
+                for _ in range(2)]
+    requests: list[list[Request]] = [[], []]
+    prompts = [[rng.randrange(3) for _ in range(6)] for _ in range(6)]  # few ids: shared keys
+    for batched, bm in enumerate(managers):
+        for i, tokens in enumerate(prompts):  # 6 prompt tokens: the second block partial
+            request = Request(f"q{i}", list(tokens), SamplingParams(max_tokens=20), 0.0)
+            bm.allocate(request, 6)
+            request.num_computed_tokens = 6
+            bm.mark_computed(request)
+            requests[batched].append(request)
+        for step in range(14):  # decode: one token of 7 a step, as the cohort does
+            growing = [r for r in requests[batched] if (r.num_computed_tokens + 1) % 4 == 1]
+            if batched:
+                bm.append_blocks([r.request_id for r in growing])
+            else:
+                for r in growing:
+                    bm.allocate(r, 1)
+            for r in requests[batched]:
+                r.output_token_ids.append(7)
+                r.num_computed_tokens += 1
+            for r in requests[batched]:  # a block with prompt tokens: the general path
+                if r.num_computed_tokens % 4 == 0 and \
+                        r.num_computed_tokens - 4 < r.num_prompt_tokens:
+                    bm.mark_computed(r)
+            full = [r for r in requests[batched] if r.num_computed_tokens % 4 == 0
+                    and r.num_computed_tokens - 4 >= r.num_prompt_tokens]
+            runs = [(7,) * 4] * len(full)
+            if batched:
+                assert bm.register_output_blocks(full, runs) == len(full)
+            else:
+                for r in full:
+                    assert bm.register_next_block(r, (7,) * 4)
+            if step == 6:  # a finish frees blocks that later takes reuse
+                bm.free(requests[batched].pop(0))
+    assert _state(managers[0]) == _state(managers[1])
+    # it stops where register_next_block would decline (here: two blocks behind)
+    bm = managers[1]
+    behind = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(behind, 12)
+    behind.num_computed_tokens = 12
+    ok = requests[1][0]
+    assert bm.register_output_blocks([behind, ok], [(7,) * 4] * 2) == 0
+    try:
+        bm.append_blocks(["b"] * (bm.num_free_blocks + 1))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("append_blocks took more blocks than are free")
+
+
+def test_block_keys_take_one_form_per_content_even_past_int64() -> None:
+    """block_tokens: bytes for int64 token ids, a tuple otherwise, decided per block, so
+    a prefix registered in one pass is found block by block (and by PromptBlockKeys)."""
+    from iterserve.replica.block_manager import block_tokens
+
+    assert block_tokens([1, 2]) == block_tokens((1, 2)) != block_tokens([2, 1])
+    assert block_tokens([2**63, 1]) == (2**63, 1)
+    huge = [5, 6, 7, 8, 2**64, 3, 3, 3, 9, 9, 9, 9, 1]  # the second block does not fit int64
+    bm = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    writer = Request("w", list(huge), SamplingParams(max_tokens=1), 0.0)
+    bm.allocate(writer, len(huge))
+    writer.num_computed_tokens = len(huge)
+    bm.mark_computed(writer)
+    reader = Request("r", list(huge), SamplingParams(max_tokens=1), 0.0)
+    assert len(bm.find_cached_prefix(reader)) == 3
+    assert PromptBlockKeys(4).num_cached_blocks(tuple(huge), bm.cached_blocks) == 3
+
+
+def test_itl_counter_equals_request_itl_and_count_gaps() -> None:
+    import collections
+
+    from iterserve.autoscale.cluster_sim_types import (
+        ItlCounter,
+        count_gaps,
+        itl_histogram,
+        request_itl,
+    )
+
+    class SmallBatches(ItlCounter):
+        _BATCH = 500  # flushes often, and some requests' gaps outnumber a batch
+
+    rng = random.Random(4)
+    counter, bins = SmallBatches(), collections.Counter()
+    for _ in range(300):
+        t, times = rng.random(), []
+        for _ in range(rng.choice([0, 1, 2, 5, 33, 34, 200, 700])):
+            times.append(t)
+            t += rng.choice([0.0, 0.0151, 0.02, rng.random() * 0.05, 1.3])  # ties and outliers
+        gaps, longest, p99 = request_itl(times)
+        count_gaps(bins, gaps)
+        assert counter.add(times) == (longest, p99)
+    assert counter.histogram() == dict(sorted(itl_histogram(bins).items()))

@@ -1,0 +1,121 @@
+"""What one router knows about its requests in flight: `InFlightTracker` and the
+`Correction` it gives `rank_replicas` per replica (plain data; times are passed in)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from iterserve.autoscale.signals import ReplicaLoad
+
+R = TypeVar("R", bound=Hashable)  # a replica id
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What this router knows about a replica beyond its (stale) stats."""
+
+    requests: int  # requests sent that the replica's stats do not reflect yet
+    prompt_tokens: int = 0  # their KV footprint (prompt + max_tokens), when known (0: unknown)
+    committed_tokens: int = 0  # KV footprint of every request sent and not seen complete
+    prefill_tokens: int = 0  # uncached prompt tokens of the unseen requests (0: unknown)
+
+
+class InFlightTracker(Generic[R]):
+    """The router's own count of requests it routed and has not seen complete.
+
+    Keyed by Serve's internal request id: `on_request_completed` fires for every dispatched
+    request, including ones the replica rejected (which never saw `on_request_routed`), so
+    unknown ids are ignored. Times are passed in, never read.
+
+    Kept per replica, in routing order, with each replica's committed total, so that
+    `corrections` (called for every request) reads only the requests routed since each
+    replica's stats, not every request in flight (thousands at 64+ replicas).
+    """
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[R, float, int, int]] = {}
+        self._by_replica: dict[R, dict[str, tuple[float, int, int]]] = {}
+        self._committed: dict[R, int] = {}
+        # Per replica: the latest routing time, or None once times went backwards (a clock
+        # step): then the unseen requests are no longer a tail and every one is read.
+        self._last_at: dict[R, float | None] = {}
+        # Per replica: (the stats timestamp, the Correction given for it), dropped when its
+        # requests change: most replicas change neither between two requests.
+        self._given: dict[R, tuple[float | None, Correction]] = {}
+        # Called with a replica whose requests changed (a router's ScoreTable listens).
+        self.on_change: Callable[[R], None] | None = None
+
+    def routed(self, request_id: str, replica_id: R, at: float, prompt_tokens: int = 0,
+               prefill_tokens: int = 0) -> None:
+        """prompt_tokens: the request's KV footprint (prompt + max_tokens);
+        prefill_tokens: its prompt tokens the replica must compute (uncached)."""
+        self.completed(request_id)
+        self._by_request[request_id] = (replica_id, at, prompt_tokens, prefill_tokens)
+        entries = self._by_replica.setdefault(replica_id, {})
+        entries[request_id] = (at, prompt_tokens, prefill_tokens)
+        self._given.pop(replica_id, None)
+        if self.on_change is not None:
+            self.on_change(replica_id)
+        self._committed[replica_id] = self._committed.get(replica_id, 0) + prompt_tokens
+        last = self._last_at.get(replica_id, at)
+        self._last_at[replica_id] = None if last is None or at < last else at
+
+    def completed(self, request_id: str) -> R | None:
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return None
+        replica_id = entry[0]
+        entries = self._by_replica[replica_id]
+        del entries[request_id]
+        self._given.pop(replica_id, None)
+        if self.on_change is not None:
+            self.on_change(replica_id)
+        if entries:
+            self._committed[replica_id] -= entry[2]
+        else:
+            del self._by_replica[replica_id], self._committed[replica_id]
+            del self._last_at[replica_id]
+        return replica_id
+
+    def forget_replica(self, replica_id: R) -> None:
+        for key in list(self._by_replica.get(replica_id, ())):
+            self.completed(key)
+
+    def in_flight(self, replica_id: R) -> int:
+        return len(self._by_replica.get(replica_id, ()))
+
+    def corrections(self, loads: Mapping[R, ReplicaLoad | None]) -> dict[R, Correction]:
+        """Per replica: requests routed after its stats were taken (unseen) and the KV
+        footprint of everything in flight there."""
+        return {rid: self._correction(rid, entries, loads.get(rid))
+                for rid, entries in self._by_replica.items()}
+
+    def correction(self, replica_id: R, load: ReplicaLoad | None) -> Correction | None:
+        """`corrections(...)[replica_id]` for one replica (None: nothing in flight there)."""
+        entries = self._by_replica.get(replica_id)
+        return None if entries is None else self._correction(replica_id, entries, load)
+
+    def _correction(self, rid: R, entries: dict[str, tuple[float, int, int]],
+                    load: ReplicaLoad | None) -> Correction:
+        stamp = None if load is None else load.timestamp
+        cached = self._given.get(rid)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        n = tokens = prefill = 0
+        if load is None or self._last_at[rid] is None:
+            for at, t, p in entries.values():
+                if load is None or at > load.timestamp:
+                    n, tokens, prefill = n + 1, tokens + t, prefill + p
+        else:
+            for at, t, p in reversed(entries.values()):  # newest first: the unseen tail
+                if at <= stamp:
+                    break
+                n, tokens, prefill = n + 1, tokens + t, prefill + p
+        correction = Correction(n, tokens, self._committed[rid], prefill)
+        self._given[rid] = (stamp, correction)
+        return correction
+
+    def __len__(self) -> int:
+        return len(self._by_request)
