@@ -1,4 +1,4 @@
-"""KV- and queue-driven autoscaling: a pure policy over a context, with hysteresis.
+"""KV- and queue-driven autoscaling with burst headroom: a pure policy over a context.
 
 The rule
 --------
@@ -6,24 +6,42 @@ Over the replicas that report metrics and are not draining (n of them):
 
     mean_waiting = (sum of engine waiting queues + requests queued at Serve handles) / n
     mean_kv      = mean KV usage
+    running      = sum of running sequences (the cluster's load; about independent of n)
     overloaded   = mean_waiting > target_waiting_per_replica or mean_kv > kv_high_watermark
-    underloaded  = mean_waiting <= low_waiting_per_replica
-                   and mean_kv * n / (n - 1) < kv_low_watermark     (the load after removing one)
-                   and mean_running * n / (n - 1) <= low_running_per_replica
+    needed       = max(ceil(running / low_running_per_replica),
+                       the fewest replicas whose mean KV stays below kv_low_watermark)
 
-Overloaded continuously for upscale_delay_s: desired = target + k, where
-k = clamp(ceil(n * pressure) - target, 1, max_upscale_step) and
-pressure = max(mean_waiting / target_waiting_per_replica, mean_kv / kv_high_watermark).
-While replicas are still starting (target > current) the policy holds: the load has not
+Overloaded (the SLO is at risk now) continuously for upscale_delay_s: desired = target + k,
+k = clamp(ceil(n * pressure) - target, 1, max_upscale_step), pressure = max(mean_waiting /
+target_waiting_per_replica, mean_kv / kv_high_watermark).
+
+The running sequences are kept as 5 s bucket means over the longer of headroom_window_s
+and downscale_delay_s (the count is noisy: requests last seconds, and a threshold on raw
+ticks reads the noise, more so on few replicas).
+
+Headroom (room for a burst that arrives faster than a replica starts): the
+headroom_quantile (0.25) of the history over headroom_window_s (60 s) is the *sustained*
+load, which a burst shorter than (1 - quantile) x window (45 s) does not move: that burst
+is what the headroom is for, and replicas started for it would come a start-up later.
+Sustained running per target replica above high_running_per_replica: desired =
+ceil(sustained / low_running_per_replica), at least one more and at most
+max_upscale_step more.
+
+While replicas are still starting (target > current) both scale-ups hold: the load has not
 had a chance to spread yet, and stacking decisions on stale metrics overshoots.
-Underloaded continuously for downscale_delay_s: desired = target - 1, and the timer
-restarts, so each further step waits another downscale_delay_s. Anything in between
-resets both timers. The result is clamped to [min_replicas, max_replicas].
+
+Underloaded: mean_waiting <= low_waiting_per_replica and `needed`, taken over the
+1 - headroom_quantile (0.75) quantile of the history over downscale_delay_s, below target;
+once downscale_delay_s has passed since this policy last changed the target (and the
+history covers it): desired = needed, in one step. A blip does not restart anything; the
+upper quantile keeps the step safe. Between low_running_per_replica (where scaling lands)
+and high_running_per_replica (where headroom adds) nothing moves. The result is clamped
+to [min_replicas, max_replicas].
 
 The Ray adapter (`KVAutoscalingPolicy`) turns Serve's `AutoscalingContext` into a
-`ScalingContext`. Serve's own upscale/downscale delays must be 0 (see
-`serve_autoscaling_config`): this policy owns the hysteresis, Serve would add its delays
-on top.
+`ScalingContext`; the history rides in Serve's `policy_state` (plain JSON lists). Serve's
+own upscale/downscale delays must be 0 (see `serve_autoscaling_config`): this policy owns
+the hysteresis, Serve would add its delays on top.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.signals import (
     METRIC_DRAINING,
     METRIC_KV_USAGE,
@@ -42,8 +61,10 @@ from iterserve.autoscale.signals import (
 )
 
 STATE_OVER_SINCE = "iterserve_over_since"
-STATE_UNDER_SINCE = "iterserve_under_since"
 STATE_LAST_REASON = "iterserve_last_reason"
+STATE_CHANGED_AT = "iterserve_changed_at"  # when this policy last changed the target
+STATE_RUNNING_HISTORY = "iterserve_running_history"  # [[start, mean running, ticks], ...]
+HISTORY_STEP_S = 5.0  # one history entry per 5 s: 12 entries for a 60 s window
 
 
 @dataclass(frozen=True)
@@ -80,26 +101,62 @@ def _clamp(n: int, config: AutoscaleConfig) -> int:
     return max(config.min_replicas, min(config.max_replicas, n))
 
 
-def _running_after_removal(live: list[ReplicaSignal]) -> float:
-    """Mean running sequences per replica with one replica fewer (inf for the last busy one)."""
-    total = sum(s.num_running for s in live)
-    if len(live) > 1:
-        return total / (len(live) - 1)
-    return 0.0 if total == 0 else math.inf
+def _replicas_needed(running: float, total_kv: float, config: AutoscaleConfig) -> float:
+    """The fewest replicas that carry `running` sequences at low_running_per_replica each
+    and hold `total_kv` (summed KV usage) below kv_low_watermark each (inf: no count does)."""
+    if running <= 0:
+        by_running = 0.0
+    elif config.low_running_per_replica > 0:
+        by_running = float(math.ceil(running / config.low_running_per_replica))
+    else:
+        by_running = math.inf
+    if total_kv <= 0:
+        by_kv = 0.0
+    elif config.kv_low_watermark > 0:
+        by_kv = float(math.floor(total_kv / config.kv_low_watermark) + 1)
+    else:
+        by_kv = math.inf
+    return max(by_running, by_kv)
+
+
+def _record_running(history: list[list[float]], now: float, running: float,
+                    keep_s: float) -> list[list[float]]:
+    """[[bucket start, mean running sequences, ticks], ...], one entry per HISTORY_STEP_S,
+    covering the last keep_s: the oldest entry kept is the newest that started at or
+    before now - keep_s, so a window's start is known. Bucket means, not ticks: the count
+    of running sequences is noisy (requests last seconds), and a quantile of raw ticks
+    would read the noise, more so on few replicas."""
+    kept = [list(entry) for entry in history]
+    if kept and now - kept[-1][0] < HISTORY_STEP_S:
+        start, mean, ticks = kept[-1]
+        kept[-1] = [start, mean + (running - mean) / (ticks + 1), ticks + 1]
+    else:
+        kept.append([now, running, 1])
+    while len(kept) > 1 and kept[1][0] <= now - keep_s:
+        kept.pop(0)
+    return kept
+
+
+def _window_quantile(history: list[list[float]], now: float, window_s: float,
+                     q: float) -> float | None:
+    """The q-quantile of the running sequences over the last window_s (the entry in force
+    at its start included); None until the history covers the window."""
+    if not history or now - history[0][0] < window_s:
+        return None
+    start = max(i for i, entry in enumerate(history) if entry[0] <= now - window_s)
+    return percentile([entry[1] for entry in history[start:]], 100.0 * q)
 
 
 def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecision, dict[str, Any]]:
     """The policy with its reasoning; `desired_replicas` is the short form."""
     state: dict[str, Any] = dict(ctx.policy_state)
     over_since = state.get(STATE_OVER_SINCE)
-    under_since = state.get(STATE_UNDER_SINCE)
     target = max(ctx.target_replicas, 0)
     live = [s for s in ctx.signals.values() if not s.draining]
 
     if not live:
         # No metrics yet (replicas starting) or everything draining: hold, unless below min.
         state[STATE_OVER_SINCE] = None
-        state[STATE_UNDER_SINCE] = None
         decision = ScalingDecision(_clamp(target, config), "no-metrics", 0.0, 0.0)
         state[STATE_LAST_REASON] = decision.reason
         return decision, state
@@ -107,24 +164,32 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     n = len(live)
     mean_waiting = (sum(s.num_waiting for s in live) + max(0.0, ctx.queued_at_handles)) / n
     mean_kv = sum(s.kv_usage for s in live) / n
+    history = _record_running(
+        state.get(STATE_RUNNING_HISTORY) or [], ctx.now, sum(s.num_running for s in live),
+        max(config.headroom_window_s, config.downscale_delay_s))
+    state[STATE_RUNNING_HISTORY] = history
+    # a decision's window starts no earlier than the last change: older load ran on
+    # another replica count
+    changed_at = state.get(STATE_CHANGED_AT)
+    since_change = math.inf if changed_at is None else ctx.now - changed_at
+    sustained = _window_quantile(history, ctx.now, config.headroom_window_s,
+                                 config.headroom_quantile)
+    peak = _window_quantile(history, ctx.now, config.downscale_delay_s,
+                            1.0 - config.headroom_quantile)
     overloaded = (
         mean_waiting > config.target_waiting_per_replica or mean_kv > config.kv_high_watermark
     )
-    if n > 1:
-        kv_after_removal = mean_kv * n / (n - 1)
-    else:  # one replica left: only an idle one may go (to min_replicas = 0)
-        idle = mean_kv == 0.0 and all(s.num_running == 0 for s in live)
-        kv_after_removal = 0.0 if idle else math.inf
-    underloaded = (
-        mean_waiting <= config.low_waiting_per_replica
-        and kv_after_removal < config.kv_low_watermark
-        and _running_after_removal(live) <= config.low_running_per_replica
+    short_of_headroom = (
+        sustained is not None and target > 0
+        and sustained / target > config.high_running_per_replica
     )
+    running = history[-1][1] if peak is None else peak  # the window not covered yet
+    needed = _replicas_needed(running, mean_kv * n, config)
+    underloaded = mean_waiting <= config.low_waiting_per_replica and needed < target
 
     desired = target
     reason = "steady"
     if overloaded:
-        under_since = None
         over_since = ctx.now if over_since is None else over_since
         if ctx.now - over_since < config.upscale_delay_s:
             reason = "overloaded-waiting"
@@ -139,24 +204,30 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
             desired = target + step
             reason = "scale-up"
             over_since = ctx.now  # the next step needs another full upscale_delay_s
+    elif short_of_headroom and sustained is not None:
+        over_since = None
+        if target > ctx.current_replicas:
+            reason = "headroom-replicas-starting"
+        else:
+            want = math.ceil(sustained / max(config.low_running_per_replica, 1e-9))
+            desired = target + min(max(want - target, 1), config.max_upscale_step)
+            reason = "headroom-scale-up"
     elif underloaded and target > config.min_replicas:
         over_since = None
-        under_since = ctx.now if under_since is None else under_since
-        if ctx.now - under_since < config.downscale_delay_s:
+        if since_change < config.downscale_delay_s or peak is None:
             reason = "underloaded-waiting"
         else:
-            desired = target - 1
+            desired = int(needed)
             reason = "scale-down"
-            under_since = ctx.now
     else:
         over_since = None
-        under_since = None
 
     clamped = _clamp(desired, config)
     if clamped != desired:
         reason = f"{reason}-bounded"
+    if clamped != target:
+        state[STATE_CHANGED_AT] = ctx.now
     state[STATE_OVER_SINCE] = over_since
-    state[STATE_UNDER_SINCE] = under_since
     state[STATE_LAST_REASON] = reason
     return ScalingDecision(clamped, reason, mean_waiting, mean_kv), state
 

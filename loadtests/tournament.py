@@ -1,17 +1,30 @@
 """The routing and autoscaling tournament on the cluster simulator.
 
-    python -m iterserve.loadtests.tournament [--quick] [--jobs 2] [--only routers|autoscalers|
-        sensitivity] [--workloads ...] [--sizes ...] [--loads ...] [--routers ...]
+    python -m iterserve.loadtests.tournament [--jobs 2] [--estimate] [--quick]
+        [--only routers|big|sensitivity|autoscalers] [--workloads ...] [--sizes ...]
+        [--loads ...] [--routers ...] [--out DIR]
 
-Routers: every workload at 8 and 32 replicas, multi-tenant and chat-summarise also at 64
-and 128; loads 50 / 80 / 95 % of capacity (`tournament_cells.probe_capacity`: what the
-cluster sustains with round-robin); per cell p50/p99 TTFT with bootstrap 95 % intervals,
+With no --only, the issue's whole matrix in one command (`--estimate` prints its cells and
+CPU time and stops):
+
+- routers: every workload at 8 and 32 replicas, loads 50 / 80 / 95 % of capacity
+  (`tournament_cells.probe_capacity`: what the cluster sustains with round-robin);
+- big: multi-tenant and chat-summarise at 64 and 128 replicas, the same loads;
+- sensitivity: every workload at 8 replicas and 80 % with every cost-model coefficient
+  halved and doubled (capacity re-probed, the SLO scaled with the factor: see
+  `tournament_cells.slo_scale`);
+- autoscalers: the diurnal trace with its 3x spike (reached in 10 s) at mean loads 0.4 and
+  0.8 of 8 replicas' capacity, 360 s (spike at 240 s) and 600 s (spike at 400 s), seeds 0-2.
+
+Router cells run for max(MIN_DURATION_S[replicas], MIN_REQUESTS / rate) virtual seconds:
+at least 2,000 requests, so a p99 has ~20 samples above it and a bootstrap interval, and at
+least a minute at 8 replicas (fewer seconds for more replicas, where requests are many and
+the routers' caches warm faster). Per cell: p50/p99 TTFT with bootstrap 95 % intervals,
 p99 ITL, throughput, goodput (TTFT <= 2 s, ITL p99 <= 100 ms) with its interval,
-preemptions, prefix-cache hit rate. Sensitivity: the 8-replica, 80 % cells again with every
-cost-model coefficient halved and doubled (all together, capacity re-probed). Autoscalers:
-the diurnal trace with its 3x spike (reached in 10 s): GPU-hours, TTFT-SLO attainment,
-replicas over time. Results merge into loadtests/results/tournament.json (cells keyed, so
-partial runs add up) and are rendered to tournament.md and tournament_*.png.
+preemptions, prefix-cache hit rate, CPU seconds; autoscalers add GPU-hours, SLO attainment
+and replicas over time. Results merge into DIR/tournament.json (cells keyed, so partial runs
+add up and a rerun skips what is there) and are rendered to tournament.md and
+tournament_*.png.
 
 --quick: 8 replicas, 60 virtual s, one workload (skewed-bursts) at one fixed rate, every
 router; the CI smoke test (tests/unit/test_tournament_quick.py) runs it.
@@ -37,6 +50,7 @@ from iterserve.loadtests.tournament_cells import (
     probe_capacity,
     run_cell,
 )
+from iterserve.loadtests.tournament_estimate import print_estimate
 
 SIZES = (8, 32)
 BIG_SIZES = (64, 128)
@@ -45,14 +59,17 @@ LOADS = (0.5, 0.8, 0.95)
 MIN_REQUESTS = 2000  # enough for a p99 with ~20 samples above it
 MIN_DURATION_S = {8: 60.0, 32: 30.0, 64: 20.0, 128: 15.0}
 SENSITIVITY = ({"*": 0.5}, {"*": 2.0})
-AUTOSCALE_DURATION_S = 360.0
+SENSITIVITY_SIZE, SENSITIVITY_LOAD = 8, 0.8
+AUTOSCALE_LOADS = (0.4, 0.8)
+AUTOSCALE_DURATIONS_S = (360.0, 600.0)
+AUTOSCALE_SEEDS = (0, 1, 2)
 QUICK_RATE = 12.0
+CELL_KEYS = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
+             "seed", "duration_s")
 
 
 def cell_key(cell: dict[str, Any]) -> str:
-    keys = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
-            "seed")
-    return json.dumps({k: cell.get(k) for k in keys}, sort_keys=True)
+    return json.dumps({k: cell.get(k) for k in CELL_KEYS}, sort_keys=True)
 
 
 def capacities(workloads: Sequence[str], cost_scale: dict[str, float] | None,
@@ -69,6 +86,12 @@ def capacities(workloads: Sequence[str], cost_scale: dict[str, float] | None,
     return out
 
 
+def cell_duration_s(replicas: int, rate: float) -> float:
+    """Virtual seconds for a router cell: MIN_REQUESTS requests, and at least
+    MIN_DURATION_S for its size (15 s for sizes not listed)."""
+    return max(MIN_DURATION_S.get(replicas, 15.0), MIN_REQUESTS / rate)
+
+
 def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence[float],
                  routers: Sequence[str], caps: dict[str, float], seed: int,
                  cost_scale: dict[str, float] | None = None, kind: str = "router",
@@ -78,8 +101,7 @@ def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence
         for n in sizes:
             for load in loads:
                 rate = load * caps[workload] * n
-                duration = fixed_duration_s or max(MIN_DURATION_S.get(n, 15.0),
-                                                   MIN_REQUESTS / rate)
+                duration = fixed_duration_s or cell_duration_s(n, rate)
                 for router in routers:
                     cells.append({"kind": kind, "workload": workload, "replicas": n,
                                   "load": load, "rate": rate, "duration_s": duration,
@@ -87,16 +109,18 @@ def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence
     return cells
 
 
-def autoscaler_cells(cap: float, seed: int, load: float) -> list[dict[str, Any]]:
-    """Diurnal at a mean rate that 8 replicas carry at `load`; the spike needs ~3x that."""
+def autoscaler_cells(cap: float, seed: int, load: float,
+                     duration_s: float) -> list[dict[str, Any]]:
+    """Diurnal at a mean rate that 8 replicas carry at `load`; the spike needs ~3x that.
+    Every autoscaler starts from 8 replicas; the static arms are 8 and the spike's need."""
     rate = load * cap * 8
     peak_need = math.ceil(3 * rate / (0.8 * cap))
     cells = []
     for name in AUTOSCALERS:
         cells.append({"kind": "autoscaler", "workload": "diurnal", "replicas": 8,
-                      "rate": rate, "duration_s": AUTOSCALE_DURATION_S, "router": "iterserve",
+                      "rate": rate, "duration_s": duration_s, "router": "iterserve",
                       "autoscaler": name, "min_replicas": 2, "max_replicas": 2 * peak_need,
-                      "seed": seed, "cost_scale": None, "load": None})
+                      "seed": seed, "cost_scale": None, "load": load})
     cells.append({**cells[0], "replicas": peak_need, "autoscaler": "fixed",
                   "label": f"fixed-{peak_need}"})
     cells[0]["label"] = "fixed-8"
@@ -107,6 +131,10 @@ def run_all(cells: list[dict[str, Any]], jobs: int, store: dict[str, Any], out: 
     todo = [c for c in cells if cell_key(c) not in store["cells"]]
     print(f"{len(todo)} cells to run ({len(cells) - len(todo)} already in {out.name})",
           flush=True)
+    if not todo:
+        return
+    # longest first, so the last worker is not left alone with a big cell
+    todo.sort(key=lambda c: -c["duration_s"] * c["replicas"] * c["rate"])
     t0 = time.time()
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(jobs) as pool:
@@ -115,14 +143,16 @@ def run_all(cells: list[dict[str, Any]], jobs: int, store: dict[str, Any], out: 
             print(f"[{i}/{len(todo)} {time.time() - t0:6.0f}s] {result['kind']} "
                   f"{result['workload']} n={result['replicas']} load={result['load']} "
                   f"{result.get('autoscaler') or result['router']}: p99 TTFT "
-                  f"{result['ttft_p99_s'][0]:.3f}s goodput {result['goodput_rps'][0]:.1f}",
-                  flush=True)
+                  f"{result['ttft_p99_s'][0]:.3f}s goodput {result['goodput_rps'][0]:.1f} "
+                  f"({result['cpu_s']:.0f} CPU s)", flush=True)
             out.write_text(json.dumps(store, indent=1, sort_keys=True))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the cells to run and their estimated CPU time, run nothing")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("routers", "big", "sensitivity", "autoscalers"),
@@ -134,12 +164,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=None,
                    help="virtual seconds per router cell (default: enough for "
                    f"{MIN_REQUESTS} requests, at least {MIN_DURATION_S[8]:.0f} s at 8 replicas)")
+    p.add_argument("--big-workloads", nargs="*", default=list(BIG_WORKLOADS))
+    p.add_argument("--big-sizes", nargs="*", type=int, default=list(BIG_SIZES))
     p.add_argument("--big-loads", nargs="*", type=float, default=list(LOADS))
     p.add_argument("--sensitivity-workloads", nargs="*", default=list(WORKLOADS))
-    p.add_argument("--autoscale-load", type=float, default=0.6,
-                   help="diurnal mean rate as a fraction of 8 replicas' capacity")
+    p.add_argument("--autoscale-loads", nargs="*", type=float, default=list(AUTOSCALE_LOADS),
+                   help="diurnal mean rates as fractions of 8 replicas' capacity")
+    p.add_argument("--autoscale-durations", nargs="*", type=float,
+                   default=list(AUTOSCALE_DURATIONS_S))
+    p.add_argument("--autoscale-seeds", nargs="*", type=int, default=list(AUTOSCALE_SEEDS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = p.parse_args(argv)
+    return p
+
+
+def matrix_cells(args: argparse.Namespace, store: dict[str, Any]) -> list[dict[str, Any]]:
+    parts = args.only or ["routers", "big", "sensitivity", "autoscalers"]
+    cells: list[dict[str, Any]] = []
+    if "routers" in parts:
+        caps = capacities(args.workloads, None, store["capacity"])
+        cells += router_cells(args.workloads, args.sizes, args.loads, args.routers, caps,
+                              args.seed, fixed_duration_s=args.duration)
+    if "big" in parts:
+        caps = capacities(args.big_workloads, None, store["capacity"])
+        cells += router_cells(args.big_workloads, args.big_sizes, args.big_loads,
+                              args.routers, caps, args.seed, fixed_duration_s=args.duration)
+    if "sensitivity" in parts:
+        for scale in SENSITIVITY:
+            names = args.sensitivity_workloads
+            scaled = capacities(names, scale, store["capacity"])
+            cells += router_cells(names, [SENSITIVITY_SIZE], [SENSITIVITY_LOAD], args.routers,
+                                  scaled, args.seed, scale, kind="sensitivity",
+                                  fixed_duration_s=args.duration)
+    if "autoscalers" in parts:
+        cap = capacities(["diurnal"], None, store["capacity"])["diurnal"]
+        for load in args.autoscale_loads:
+            for duration in args.autoscale_durations:
+                for seed in args.autoscale_seeds:
+                    cells += autoscaler_cells(cap, seed, load, duration)
+    return cells
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     from iterserve.loadtests.tournament_report import write_report
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -148,33 +214,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = json.loads(path.read_text()) if path.exists() else {}
     store.setdefault("cells", {})
     store.setdefault("capacity", {})
-    store["command"] = "python -m iterserve.loadtests.tournament " + " ".join(sys.argv[1:])
+    store.setdefault("commands", [])
     if args.quick:
         cells = [{"kind": "router", "workload": "skewed-bursts", "replicas": 8, "load": None,
                   "rate": QUICK_RATE, "duration_s": 60.0, "router": r, "seed": args.seed,
                   "cost_scale": None} for r in args.routers]
-        run_all(cells, args.jobs, store, path)
-        write_report(store, args.out, stem)
+    else:
+        cells = matrix_cells(args, store)
+    if args.estimate:
+        path.write_text(json.dumps(store, indent=1, sort_keys=True))  # keep the probes
+        todo = [c for c in cells if cell_key(c) not in store["cells"]]
+        print_estimate(todo, list(store["cells"].values()), args.jobs)
         return 0
-    parts = args.only or ["routers", "big", "sensitivity", "autoscalers"]
-    caps = capacities(args.workloads, None, store["capacity"])
-    cells: list[dict[str, Any]] = []
-    if "routers" in parts:
-        cells += router_cells(args.workloads, args.sizes, args.loads, args.routers, caps,
-                              args.seed, fixed_duration_s=args.duration)
-    if "big" in parts:
-        big = [w for w in BIG_WORKLOADS if w in args.workloads]
-        cells += router_cells(big, BIG_SIZES, args.big_loads, args.routers, caps, args.seed,
-                              fixed_duration_s=args.duration)
-    if "sensitivity" in parts:
-        for scale in SENSITIVITY:
-            names = args.sensitivity_workloads
-            scaled = capacities(names, scale, store["capacity"])
-            cells += router_cells(names, [8], [0.8], args.routers, scaled, args.seed,
-                                  scale, kind="sensitivity", fixed_duration_s=args.duration)
-    if "autoscalers" in parts:
-        cap = capacities(["diurnal"], None, store["capacity"])["diurnal"]
-        cells += autoscaler_cells(cap, args.seed, args.autoscale_load)
+    command = "python -m iterserve.loadtests.tournament " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    if command not in store["commands"]:
+        store["commands"].append(command)
     path.write_text(json.dumps(store, indent=1, sort_keys=True))
     run_all(cells, args.jobs, store, path)
     write_report(store, args.out, stem)

@@ -9,6 +9,7 @@ picklable so cells run in worker processes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,31 +115,54 @@ def probe_capacity(workload: str, cost_scale: dict[str, float] | None = None,
         rate *= 2
 
 
-def summarise(result: SimResult, seed: int) -> dict[str, Any]:
+def slo_scale(cost_scale: dict[str, float] | None) -> float:
+    """The factor the SLO scales by under a cost scaling: k when every coefficient is
+    scaled by k ({"*": k}: the same cluster running k times slower or faster, at the same
+    fraction of its capacity, so every latency scales by about k and an unscaled SLO would
+    measure the line, not the routers), 1 for no or a partial scaling."""
+    if cost_scale and set(cost_scale) == {"*"}:
+        return float(cost_scale["*"])
+    return 1.0
+
+
+def _goodput(records: list, ttft_slo_s: float, itl_slo_s: float, span: float,
+             seed: int) -> list[float]:
+    good = [r.done and r.ttft <= ttft_slo_s and r.itl_p99 <= itl_slo_s for r in records]
+    return bootstrap_mean_rate(good, span, seed).to_list()
+
+
+def summarise(result: SimResult, seed: int, scale: float = 1.0) -> dict[str, Any]:
     """The cell's figures: p50/p99 TTFT with bootstrap 95 % intervals, p99 ITL,
-    throughput, goodput (requests with TTFT <= 2 s and their own p99 ITL <= 100 ms, per
-    second of the arrival window) with its interval, preemptions, prefix-cache hit rate,
-    GPU-hours, SLO attainment."""
+    throughput, goodput (requests with TTFT <= 2 s and their own p99 ITL <= 100 ms, both
+    times `scale`, per second of the arrival window) with its interval (and, where
+    scale != 1, under the unscaled SLO too), preemptions, prefix-cache hit rate,
+    GPU-hours, TTFT-SLO attainment."""
     records = result.records
     ttfts = result.ttfts()
-    good = [r.done and r.ttft <= TTFT_SLO_S and r.itl_p99 <= ITL_SLO_S for r in records]
+    ttft_slo, itl_slo = TTFT_SLO_S * scale, ITL_SLO_S * scale
     # the arrival window, the same for every contestant of a cell (the run's end is not)
     span = max(max(r.arrival for r in records) - min(r.arrival for r in records), 1e-9)
-    met_ttft = sum(1 for r in records if r.ttft is not None and r.ttft <= TTFT_SLO_S)
-    return {
+    met_ttft = sum(1 for r in records if r.ttft is not None and r.ttft <= ttft_slo)
+    out = {
         "requests": len(records),
         "finished": result.num_finished,
         "ttft_p50_s": bootstrap_percentile(ttfts, 50, seed).to_list(),
         "ttft_p99_s": bootstrap_percentile(ttfts, 99, seed).to_list(),
         "itl_p99_s": result.itl_percentile(99),
+        "itl_p50_s": result.itl_percentile(50),
         "throughput_tok_s": result.throughput(),
-        "goodput_rps": bootstrap_mean_rate(good, span, seed).to_list(),
+        "slo_ttft_s": ttft_slo,
+        "slo_itl_s": itl_slo,
+        "goodput_rps": _goodput(records, ttft_slo, itl_slo, span, seed),
         "preemptions": sum(r.preemptions for r in records),
         "prefix_hit_rate": result.prefix_hit_rate,
         "gpu_hours": result.gpu_seconds / 3600.0,
         "ttft_slo_attainment": met_ttft / len(records),
         "end_time_s": result.end_time,
     }
+    if scale != 1.0:
+        out["goodput_unscaled_rps"] = _goodput(records, TTFT_SLO_S, ITL_SLO_S, span, seed)
+    return out
 
 
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -151,9 +175,11 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     if cell.get("autoscaler"):
         autoscaler = autoscaler_for(cell["autoscaler"], cell["min_replicas"],
                                     cell["max_replicas"], cell["replicas"])
+    cpu = time.process_time()
     result = simulate(requests, routers, cell["replicas"], config, autoscaler)
     out = dict(cell)
-    out.update(summarise(result, cell["seed"]))
+    out["cpu_s"] = time.process_time() - cpu  # what `tournament --estimate` calibrates on
+    out.update(summarise(result, cell["seed"], slo_scale(cell.get("cost_scale"))))
     if autoscaler is not None:
         out["replicas_over_time"] = [(t, run, start) for t, run, start, _ in
                                      result.replicas_over_time]

@@ -75,12 +75,35 @@ def test_holds_while_new_replicas_are_starting():
     assert d.reason == "overloaded-replicas-starting"
 
 
-def test_scale_down_one_at_a_time_after_downscale_delay():
+def test_scale_down_lands_on_the_need_after_downscale_delay():
+    # idle: KV 0.15 in all fits one replica below kv_low_watermark; no running sequences
     idle3 = [IDLE, IDLE, IDLE]
-    idle2 = [IDLE, IDLE]
-    t = [(0.0, idle3, 3, 3), (9.0, idle3, 3, 3), (10.0, idle3, 3, 3),
-         (11.0, idle2, 2, 2), (19.9, idle2, 2, 2), (20.0, idle2, 2, 2), (40.0, [IDLE], 1, 1)]
-    assert run(t) == [3, 3, 2, 2, 2, 1, 1]
+    t = [(0.0, idle3, 3, 3), (9.0, idle3, 3, 3), (10.0, idle3, 3, 3)]
+    assert run(t) == [3, 3, 1]
+    # 6 replicas running 2 each: 12 sequences need 2 replicas at low_running (6) each
+    busy = [ReplicaSignal(0.05, 0, num_running=2)] * 6
+    assert run([(0.0, busy, 6, 6), (10.0, busy, 6, 6)]) == [6, 2]
+
+
+def test_each_further_scale_down_waits_another_downscale_delay():
+    four = [ReplicaSignal(0.05, 0, num_running=3)] * 4  # 12 running: need 2
+    two = [ReplicaSignal(0.0, 0, num_running=0)] * 2  # idle: need 1 (min)
+    t = [(0.0, four, 4, 4), (10.0, four, 4, 4), (15.0, two, 2, 2), (19.9, two, 2, 2),
+         (20.0, two, 2, 2)]
+    assert run(t) == [4, 2, 2, 2, 1]
+
+
+def test_a_blip_in_the_running_count_does_not_stop_a_scale_down():
+    # a tick where every replica runs 10 (40 in all: all 4 replicas needed) inside the window
+    calm = [ReplicaSignal(0.05, 0, num_running=1)] * 4
+    blip = [ReplicaSignal(0.05, 0, num_running=10)] * 4
+    t = [(i * 0.5, blip if i == 6 else calm, 4, 4) for i in range(21)]
+    assert run(t)[-1] == 1  # the 5 s bucket's mean and the window's quantile absorb it
+
+
+def test_no_scale_down_while_the_load_needs_every_replica():
+    busy = [ReplicaSignal(0.05, 0, num_running=7)] * 3  # 21 running need 4 > 3
+    assert run([(t, busy, 3, 3) for t in (0.0, 10.0, 30.0)]) == [3, 3, 3]
 
 
 def test_no_scale_down_when_the_remaining_replicas_would_run_hot():
@@ -93,7 +116,8 @@ def test_no_scale_down_when_the_remaining_replicas_would_run_hot():
 def test_no_scale_down_that_would_spend_the_burst_headroom():
     # KV and queues idle, but 3 replicas each running 6 sequences: 9 each on two replicas,
     # above low_running_per_replica (8): the spare concurrency for a burst stays
-    cfg = AutoscaleConfig(**{**CFG.model_dump(), "low_running_per_replica": 8.0})
+    cfg = AutoscaleConfig(**{**CFG.model_dump(), "low_running_per_replica": 8.0,
+                             "high_running_per_replica": 12.0})
     busy = [ReplicaSignal(0.05, 0, num_running=6)] * 3
     assert run([(0.0, busy, 3, 3), (100.0, busy, 3, 3)], cfg) == [3, 3]
     # 5 each -> 7.5 on two: at most 8, so one goes after the delay
@@ -103,6 +127,58 @@ def test_no_scale_down_that_would_spend_the_burst_headroom():
     one = [ReplicaSignal(0.0, 0, num_running=1)]
     cfg0 = AutoscaleConfig(**{**cfg.model_dump(), "min_replicas": 0})
     assert run([(0.0, one, 1, 1), (100.0, one, 1, 1)], cfg0) == [1, 1]
+
+
+HEADROOM = AutoscaleConfig(min_replicas=1, max_replicas=16, downscale_delay_s=10.0,
+                           low_running_per_replica=6.0, high_running_per_replica=8.0,
+                           headroom_window_s=60.0, headroom_quantile=0.25)
+
+
+def timeline(signals_at, until: float, step: float = 1.0, replicas: int = 2):
+    """Ticks every `step` s from 0 to `until`, each replica's running from signals_at(t)."""
+    out = []
+    for i in range(int(until / step) + 1):
+        t = i * step
+        out.append((t, [ReplicaSignal(0.05, 0, num_running=signals_at(t))] * replicas,
+                    replicas, replicas))
+    return out
+
+
+def test_headroom_scale_up_once_the_sustained_running_exceeds_high():
+    # 2 replicas running 10 each (above 8) for a whole window: 20 / 6 -> 4 replicas
+    decisions = run(timeline(lambda t: 10.0, 60.0), HEADROOM)
+    assert decisions[-1] == 4
+    assert all(d == 2 for d in decisions[:-1])  # nothing before the window is covered
+
+
+def test_a_burst_shorter_than_the_window_quantile_adds_no_headroom():
+    # 5 running each (below 8, above what 1 replica would run at 6), then 30 each for 30 s:
+    # the 25th percentile of the window is the calm before
+    burst = run(timeline(lambda t: 30.0 if t >= 30 else 5.0, 60.0), HEADROOM)
+    assert burst[-1] == 2
+    # the same level sustained over most of the window is load, not a burst
+    sustained = run(timeline(lambda t: 30.0 if t >= 10 else 5.0, 60.0), HEADROOM)
+    assert sustained[-1] > 2
+
+
+def test_headroom_holds_while_replicas_start():
+    t = timeline(lambda t: 20.0, 60.0)
+    t[-1] = (60.0, t[-1][1], 2, 3)  # target 3, 2 running: the last decision holds
+    state: dict = {}
+    for now, signals, current, target in t:
+        decision, state = decide(ctx(now, signals, current, target, state), HEADROOM)
+    assert decision.desired == 3 and decision.reason == "headroom-replicas-starting"
+
+
+def test_policy_state_is_plain_json():
+    import json
+
+    state: dict = {}
+    for now, signals, current, target in timeline(lambda t: 10.0, 70.0):
+        _, state = desired_replicas(ctx(now, signals, current, target, state), HEADROOM)
+    assert json.loads(json.dumps(state)) == state
+    # one history entry per 5 s, covering the longest window (60 s) and no more
+    assert 12 <= len(state["iterserve_running_history"]) <= 14
 
 
 def test_bounds():
@@ -143,6 +219,8 @@ def test_config_validation():
         AutoscaleConfig(kv_low_watermark=0.9, kv_high_watermark=0.8)
     with pytest.raises(ValueError):
         AutoscaleConfig(low_waiting_per_replica=3, target_waiting_per_replica=2)
+    with pytest.raises(ValueError):
+        AutoscaleConfig(low_running_per_replica=8, high_running_per_replica=8)
 
 
 def test_ray_adapter_reads_serve_autoscaling_context():
