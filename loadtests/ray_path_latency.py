@@ -6,7 +6,9 @@ The cluster simulator models a request from the moment its replica's engine admi
 its tokens leaving the engine. On the real path (the routing experiment: a driver's
 DeploymentHandle, deploy's `LLMReplica` actors, runner=simulated) a request also spends
   dispatch: the handle's routing (queue-length probe or stats read), the actor call and
-            the engine thread picking the add command up (driver send -> engine arrival);
+            the replica's event loop (driver send -> the replica calls its engine, which
+            stamps the request's arrival_time; the wait for a busy engine's current step
+            comes after, inside the engine's TTFT, as in the simulator);
   return:   the engine's output reaching the replica's event loop and the streaming
             generator's hop back to the driver (engine first token -> driver receives it).
 Both come from timestamps (CLOCK_MONOTONIC is shared by every process on the machine):
@@ -126,7 +128,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
-    rows = [("dispatch (send -> engine admits)", "dispatch"),
+    rows = [("dispatch (handle call -> the engine is called)", "dispatch"),
             ("engine TTFT", "engine_ttft"),
             ("engine TTFT - cost-model prefill step", "engine_prefill_excess"),
             ("return (engine first token -> driver)", "return"),

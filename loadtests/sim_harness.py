@@ -38,7 +38,7 @@ class RequestRecord:
     Every time is time.monotonic(): CLOCK_MONOTONIC is one clock for every process on the
     machine, so the replica's engine times (RequestOutput.arrival_time, .first_token_time)
     and the driver's line up, and the Ray path's own latency splits into dispatch (handle
-    call -> the engine admits the request) and return (the engine emits the first token ->
+    call -> the replica calls its engine) and return (the engine emits the first token ->
     the driver receives it) around the engine's TTFT, which is what the simulator models.
     """
 
@@ -52,7 +52,7 @@ class RequestRecord:
     gaps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    engine_arrival: float | None = None  # when the replica's engine admitted it
+    engine_arrival: float | None = None  # when the replica called its engine
     engine_first_token: float | None = None  # when the engine sampled its first token
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
 
@@ -62,12 +62,12 @@ class RequestRecord:
 
     @property
     def dispatch_latency(self) -> float | None:
-        """Handle call to engine admission: routing, the actor call, the engine's queue."""
+        """Handle call to the replica calling its engine: routing, the actor call."""
         return None if self.engine_arrival is None else self.engine_arrival - self.sent
 
     @property
     def engine_ttft(self) -> float | None:
-        """Engine admission to first sampled token (what the cluster simulator models)."""
+        """Engine call to first sampled token (what the cluster simulator models)."""
         if self.engine_arrival is None or self.engine_first_token is None:
             return None
         return self.engine_first_token - self.engine_arrival
