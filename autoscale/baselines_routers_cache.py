@@ -69,6 +69,10 @@ class _HistoryRouter:
         cached = self._chain_for
         if cached is not None and cached[0] == request.request_id:
             self.history.record(replica_id, cached[2])
+        elif self._chain_for is not None:
+            # Chosen for another request since (Ray routes concurrent requests
+            # concurrently): record this one's own chain, at the block size last used.
+            self.history.record(replica_id, self.chain(request, self._chain_for[1]))
 
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None:
         self.in_flight.pop(request_id, None)

@@ -289,8 +289,10 @@ class ClusterSim:
     def _complete(self, slot: ReplicaSlot, request: Request) -> None:
         record = self.records[request.request_id]
         spec = self.specs[request.request_id]
-        record.first_token = request.first_token_time
-        record.finish = request.finished_time
+        # The Ray path's latency outside the replica: a shift of the client-side times.
+        outside = self.config.dispatch_latency_s + self.config.stream_latency_s
+        record.first_token = request.first_token_time + outside
+        record.finish = request.finished_time + outside
         record.output_tokens = request.num_output_tokens
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions

@@ -122,6 +122,16 @@ class ClusterSimConfig:
     over the window), autoscale_interval_s (the controller's loop), startup_delay_s (scale
     decision to serving: model load, compile, warm-up). fast_forward: advance replicas
     through pure-decode stretches in one jump (same results; see cluster_sim_replica).
+
+    Ray path latency outside the replicas (0: none; measure them with
+    loadtests/ray_path_latency): dispatch_latency_s from the router's choice to the replica
+    receiving the request (handle routing, actor call), stream_latency_s from a token
+    leaving the engine to the client (the streaming hop back). Both are constants paid by
+    every request alike, so every replica sees the same arrival process shifted by
+    dispatch_latency_s: they are applied as a shift of each request's client-side times
+    (first_token, finish; ClusterSim._complete). Left out: routers here see a replica's
+    stats and completions that many milliseconds sooner than on the real path (against a
+    routing-stats period of hundreds).
     """
 
     sim: SimulatorConfig = field(default_factory=SimulatorConfig)
@@ -140,6 +150,9 @@ class ClusterSimConfig:
     seed: int = 0
     fast_forward: bool = True
     max_virtual_s: float = math.inf  # stop even if requests are unfinished (recorded as such)
+    # --- Ray path latency outside the replicas (see the docstring) ---
+    dispatch_latency_s: float = 0.0
+    stream_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",
@@ -149,6 +162,8 @@ class ClusterSimConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.startup_delay_s < 0:
             raise ValueError("startup_delay_s must be >= 0")
+        if self.dispatch_latency_s < 0 or self.stream_latency_s < 0:
+            raise ValueError("dispatch_latency_s and stream_latency_s must be >= 0")
         if self.max_ongoing_requests < 1 or self.max_num_seqs < 1 or self.block_size < 1:
             raise ValueError("max_ongoing_requests, max_num_seqs and block_size must be >= 1")
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.autoscale.percentile import percentile
+from iterserve.loadtests.ray_path_latency import hop_summary
 from iterserve.loadtests.sim_harness import (
     RESULTS_DIR,
     ReplicaStatsPoller,
@@ -143,6 +144,7 @@ def summarize(records: Sequence[RequestRecord], preemptions: int, runs: int = 1
         "itl_p99_s": percentile(gaps, 99),
         "preemptions": preemptions / runs,
         "makespan_s": makespan,
+        **hop_summary(records),  # the Ray path's own latency around the engine
     }
 
 
@@ -151,6 +153,10 @@ def arm_router(name: str, period_s: float) -> Any:  # noqa: ANN401
     from iterserve.autoscale.config import RouterConfig
     from iterserve.autoscale.router import request_router_config
 
+    if name in COMPARISON_ARMS:
+        from iterserve.loadtests.ray_routers import router_config_for
+
+        return router_config_for(name, period_s, ENGINE_KWARGS["block_size"])
     if name == "pow2 (Ray default)":
         from ray.serve.config import RequestRouterConfig
 
@@ -162,7 +168,10 @@ def arm_router(name: str, period_s: float) -> Any:  # noqa: ANN401
     )
 
 
-ARMS = ("pow2 (Ray default)", "KVAware", "KVAware + prefix")
+# Ray's own prefix-cache router and our reimplementation of it (the tournament's
+# "ray-prefix", `autoscale.baselines_routers_cache`), side by side (see `ray_routers`).
+COMPARISON_ARMS = ("ray-prefix (ours)", "PrefixCacheAffinityRouter (Ray 2.60)")
+ARMS = ("pow2 (Ray default)", "KVAware", "KVAware + prefix", *COMPARISON_ARMS)
 
 
 async def run_arm(name: str, idx: int, specs: Sequence[RequestSpec], num_replicas: int,
@@ -245,6 +254,16 @@ def write_report(results: list[dict[str, Any]], out: Path, meta: dict[str, Any])
         lines.append(f"- {r['arm']}: p99 TTFT floor {'met' if pooled_ok else 'MISSED'} (pooled), "
                      f"{'met' if med_ok else 'MISSED'} (median of runs); preemption floor "
                      f"{'met' if pre_ok else 'MISSED'}")
+    lines += ["", "The Ray path around the engine (`RequestRecord` timestamps; dispatch: send -> "
+              "engine admits; return: engine's first token -> driver), ms:", "",
+              "| router | dispatch p50 / p99 | engine TTFT p50 / p99 | return p50 / p99 "
+              "| prefix hit rate |", "|---|---|---|---|---|"]
+    for r in rows:
+        hops = [f"{r.get(f'{k}_p50_s', math.nan) * 1e3:.1f} / "
+                f"{r.get(f'{k}_p99_s', math.nan) * 1e3:.1f}"
+                for k in ("dispatch", "engine_ttft", "return")]
+        lines.append(f"| {r['arm']} | {' | '.join(hops)} | "
+                     f"{r.get('prefix_hit_rate', math.nan):.3f} |")
     lines += ["", "Per run (in execution order):", "",
               "| run | router | TTFT p50 (s) | TTFT p99 (s) | ITL p99 (s) | preemptions "
               "| 1-min load average at end (2 cores) |",

@@ -33,19 +33,51 @@ class RequestSpec:
 # ------------------------------------------------------------------------------ driving
 @dataclass
 class RequestRecord:
+    """One request as the driver saw it, plus the engine's own timestamps of it.
+
+    Every time is time.monotonic(): CLOCK_MONOTONIC is one clock for every process on the
+    machine, so the replica's engine times (RequestOutput.arrival_time, .first_token_time)
+    and the driver's line up, and the Ray path's own latency splits into dispatch (handle
+    call -> the replica calls its engine) and return (the engine emits the first token ->
+    the driver receives it) around the engine's TTFT, which is what the simulator models.
+    """
+
     request_id: str
     sent: float
     is_long: bool
+    prompt_tokens: int = 0
     first_token: float | None = None
     finished: float | None = None
     num_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    engine_arrival: float | None = None  # when the replica called its engine
+    engine_first_token: float | None = None  # when the engine sampled its first token
+    cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.sent
+
+    @property
+    def dispatch_latency(self) -> float | None:
+        """Handle call to the replica calling its engine: routing, the actor call."""
+        return None if self.engine_arrival is None else self.engine_arrival - self.sent
+
+    @property
+    def engine_ttft(self) -> float | None:
+        """Engine call to first sampled token (what the cluster simulator models)."""
+        if self.engine_arrival is None or self.engine_first_token is None:
+            return None
+        return self.engine_first_token - self.engine_arrival
+
+    @property
+    def return_latency(self) -> float | None:
+        """First token sampled in the engine to first token received by the driver."""
+        if self.first_token is None or self.engine_first_token is None:
+            return None
+        return self.first_token - self.engine_first_token
 
     @property
     def ok(self) -> bool:
@@ -59,7 +91,8 @@ async def _one(handle: Any, spec: RequestSpec, t0: float) -> RequestRecord:  # n
     delay = t0 + spec.send_at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    rec = RequestRecord(spec.request_id, time.monotonic(), spec.is_long)
+    rec = RequestRecord(spec.request_id, time.monotonic(), spec.is_long,
+                        prompt_tokens=len(spec.prompt_token_ids))
     try:
         await asyncio.wait_for(_stream_into(handle, spec, rec), REQUEST_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -86,12 +119,15 @@ async def _stream_into(handle: Any, spec: RequestSpec, rec: RequestRecord) -> No
                 break
             if rec.first_token is None:
                 rec.first_token = now
+                rec.engine_arrival = getattr(out, "arrival_time", None) or None
+                rec.engine_first_token = getattr(out, "first_token_time", None)
             elif last is not None:
                 rec.gaps.append(now - last)
             last = now
             rec.num_tokens += len(new)
             if out.finished:
                 rec.finish_reason = out.finish_reason
+                rec.cached_tokens = getattr(out, "num_cached_tokens", 0)
     except Exception as error:  # noqa: BLE001 - recorded as a failed request, reported
         rec.error = f"{type(error).__name__}: {error}"
 

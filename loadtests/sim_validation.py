@@ -1,6 +1,7 @@
 """The cluster simulator against the real Ray Serve path, side by side.
 
-    python -m iterserve.loadtests.sim_validation [--ray-results loadtests/results/routing.json]
+    python -m iterserve.loadtests.sim_validation --ray-results A.json [B.json ...] \
+        [--ray-path-latency loadtests/results/ray_path_latency.json]
 
 Replays `routing_experiment`'s workload (same seed and WorkloadConfig as the Ray results
 file records) through `autoscale.cluster_sim` with the same engine settings (max_num_seqs,
@@ -8,11 +9,19 @@ token budget, block size, KV blocks, max_model_len), the same cost model slowed 
 experiment's time_scale, one ingress router (the experiment's driver handle), the same
 routing-stats period, and the same routers: Ray's power-of-two (`PowerOfTwo` below: two
 random replicas, the one with fewer requests in flight, as Ray's default router does with
-its queue-length probes) and iterserve's KVAwareRouter with and without prefix affinity
-(`IterserveRouter`). Writes loadtests/results/sim_validation.md: p50 / p99 TTFT and
-throughput per router from Ray and from the simulator, and their ratio (floor: within
-15 %). The simulator arm is repeated over several seeds of its own randomness (poll
+its queue-length probes), iterserve's KVAwareRouter with and without prefix affinity
+(`IterserveRouter`), and our reimplementation of Ray's PrefixCacheAffinityRouter
+(`RayPrefixAffinityRouter`) for both the Ray arm that ran it and the Ray arm that ran Ray's
+own router. The simulator arm is repeated over several seeds of its own randomness (poll
 phases, tie-breaking), as the Ray arm pools repeated runs.
+
+The Ray path's own latency outside the replicas (dispatch: handle call -> replica; return:
+engine -> driver) is not fitted: it is the median that `ray_path_latency` measured with one
+request in flight, passed as `ClusterSimConfig.dispatch_latency_s` / `stream_latency_s`.
+The report shows the simulator with and without it, the Ray run's own split of each TTFT
+around the engine (`RequestRecord` timestamps), and Ray's router beside ours.
+Writes loadtests/results/sim_validation.md (floor: p50 / p99 TTFT and throughput within
+15 % per router).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.baselines_routers_cache import RayPrefixAffinityRouter
 from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import RouterConfig
@@ -34,6 +44,7 @@ from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
+from iterserve.loadtests.sim_validation_report import Row, write_report
 from iterserve.replica.sim_runner import CostModel, SimulatorConfig
 
 
@@ -60,6 +71,9 @@ ARM_ROUTERS = {
                                               use_replica_cache=False),
     "KVAware + prefix": lambda period: IterserveRouter(RouterConfig(
         prefix_affinity=True, routing_stats_period_s=period), use_replica_cache=False),
+    # Ray's own router and our reimplementation both have the reimplementation as model
+    "ray-prefix (ours)": lambda period: RayPrefixAffinityRouter(),
+    "PrefixCacheAffinityRouter (Ray 2.60)": lambda period: RayPrefixAffinityRouter(),
 }
 
 
@@ -68,7 +82,8 @@ def sim_workload(workload: WorkloadConfig) -> list[SimRequest]:
             for s in make_workload(workload)]
 
 
-def sim_config(meta: dict[str, Any], seed: int) -> ClusterSimConfig:
+def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
+               stream_latency_s: float = 0.0) -> ClusterSimConfig:
     engine = meta["engine_kwargs"]
     scale = float(meta["time_scale"])
     base = CostModel()
@@ -80,21 +95,38 @@ def sim_config(meta: dict[str, Any], seed: int) -> ClusterSimConfig:
         block_size=engine["block_size"], max_model_len=engine["max_model_len"],
         num_blocks=engine["num_gpu_blocks_override"],
         enable_prefix_caching=engine["enable_prefix_caching"],
-        routing_stats_period_s=float(meta["period_s"]), seed=seed)
+        routing_stats_period_s=float(meta["period_s"]), seed=seed,
+        dispatch_latency_s=dispatch_latency_s, stream_latency_s=stream_latency_s)
 
 
-def pooled_summary(results: Sequence[SimResult]) -> dict[str, float]:
+def pooled_summary(results: Sequence[SimResult]) -> dict[str, Any]:
     ttfts = [t for r in results for t in r.ttfts()]
     gaps: dict[float, int] = {}
     for r in results:
         for gap, n in r.itl_counts.items():
             gaps[gap] = gaps.get(gap, 0) + n
+    done = [x for r in results for x in r.records if x.done]
+    prompt = sum(x.prompt_tokens for x in done)
     return {"itl_p99_s": percentile_of_counts(gaps, 99), "requests": len(results[0].records),
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
+            "ttft_p99_per_seed_s": [r.ttft_percentile(99) for r in results],
             "throughput_tok_s": sum(r.throughput() for r in results) / len(results),
             "preemptions": sum(sum(x.preemptions for x in r.records) for r in results)
-            / len(results)}
+            / len(results),
+            "prefix_hit_rate": sum(x.cached_tokens for x in done) / prompt if prompt else 0.0}
+
+
+def load_ray_results(paths: Sequence[Path]) -> dict[str, Any]:
+    files = [json.loads(path.read_text()) for path in paths]
+    meta = files[0]["meta"]
+    for other in files[1:]:
+        if (other["meta"]["workload"], other["meta"]["engine_kwargs"],
+                other["meta"]["time_scale"]) != (meta["workload"], meta["engine_kwargs"],
+                                                 meta["time_scale"]):
+            raise SystemExit("the Ray results files ran different workloads or engines")
+    return {"meta": meta, "metas": [f["meta"] for f in files],
+            "results": [r for f in files for r in f["results"]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,56 +136,38 @@ def main(argv: list[str] | None = None) -> int:
                         default=[RESULTS_DIR / "routing.json"],
                         help="routing_experiment JSON files (one per arm, or all arms in "
                              "one); they must share the workload and engine settings")
+    parser.add_argument("--ray-path-latency", type=Path,
+                        default=RESULTS_DIR / "ray_path_latency.json",
+                        help="ray_path_latency's JSON: its dispatch / return medians become "
+                             "the simulator's dispatch_latency_s / stream_latency_s")
     parser.add_argument("--seeds", type=int, default=8, help="simulator runs per arm")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sim_validation.md")
     args = parser.parse_args(argv)
-    files = [json.loads(path.read_text()) for path in args.ray_results]
-    meta = files[0]["meta"]
-    for other in files[1:]:
-        if (other["meta"]["workload"], other["meta"]["engine_kwargs"]) != (
-                meta["workload"], meta["engine_kwargs"]):
-            raise SystemExit("the Ray results files ran different workloads or engines")
-    ray = {"meta": meta, "results": [r for f in files for r in f["results"]]}
+    ray = load_ray_results(args.ray_results)
+    meta = ray["meta"]
+    probe = json.loads(args.ray_path_latency.read_text())
+    dispatch_s, stream_s = float(probe["dispatch_p50_s"]), float(probe["return_p50_s"])
     workload = WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v
                                  for k, v in meta["workload"].items()})
     requests = sim_workload(workload)
     rows = []
     for result in ray["results"]:
-        ray_summary = result["summary"]
-        arm = ray_summary["arm"]
+        arm = result["summary"]["arm"]
         t0 = time.process_time()
-        runs = [simulate(requests, [ARM_ROUTERS[arm](float(meta["period_s"]))],
-                         int(meta["num_replicas"]), sim_config(meta, seed))
-                for seed in range(args.seeds)]
-        sim = pooled_summary(runs)
-        rows.append((arm, ray_summary, sim, time.process_time() - t0))
-    lines = [
-        "# Cluster simulator vs the Ray Serve path",
-        "",
-        "`python -m iterserve.loadtests.sim_validation --ray-results "
-        f"{' '.join(p.name for p in args.ray_results)}`"
-        f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Ray side: "
-        f"`routing_experiment` run of {meta['when']} ({meta['num_replicas']} replicas, "
-        f"time_scale {meta['time_scale']}, {ray['results'][0]['summary']['requests']} "
-        f"requests x {meta['repeats']} runs per arm, pooled). Simulator: the same workload "
-        f"and engine settings, {args.seeds} seeds per arm, pooled.",
-        "",
-        "| router | TTFT p50 Ray / sim (s) | ratio | TTFT p99 Ray / sim (s) | ratio "
-        "| throughput Ray / sim (tok/s) | ratio | ITL p99 Ray / sim (s) | preemptions Ray / sim "
-        "| Ray box load (1 min, 2 cores) | sim CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, r, s, cpu in rows:
-        lines.append(
-            f"| {arm} | {r['ttft_p50_s']:.3f} / {s['ttft_p50_s']:.3f} | "
-            f"{s['ttft_p50_s'] / r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.3f} / "
-            f"{s['ttft_p99_s']:.3f} | {s['ttft_p99_s'] / r['ttft_p99_s']:.2f} | "
-            f"{r['throughput_tok_s']:.0f} / {s['throughput_tok_s']:.0f} | "
-            f"{s['throughput_tok_s'] / r['throughput_tok_s']:.2f} | {r['itl_p99_s']:.3f} / "
-            f"{s['itl_p99_s']:.3f} | {r['preemptions']:g} / {s['preemptions']:g} | "
-            f"{r.get('loadavg_1m_at_end', float('nan')):.1f} | {cpu:.1f} |")
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        sims = {}
+        for label, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
+            runs = [simulate(requests, [ARM_ROUTERS[arm](float(meta["period_s"]))],
+                             int(meta["num_replicas"]), sim_config(meta, seed, *latency))
+                    for seed in range(args.seeds)]
+            sims[label] = pooled_summary(runs)
+        rows.append(Row(arm, result["summary"], sims["path"], sims["engine"],
+                        time.process_time() - t0))
+    command = ("python -m iterserve.loadtests.sim_validation --ray-results "
+               + " ".join(p.name for p in args.ray_results)
+               + f" --ray-path-latency {args.ray_path_latency.name} --seeds {args.seeds}")
+    text = write_report(rows, ray, probe, command, args.seeds)
+    args.out.write_text(text)
+    print(text)
     return 0
 
 

@@ -93,13 +93,17 @@ class AsyncLLMEngine:
         if self._draining:
             raise EngineDrainingError("the engine is draining and admits no new requests")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
+        # Arrival is now, not when the engine thread runs the add command: a busy loop
+        # takes it only after its current step, and that wait is part of the TTFT.
+        arrival = self.engine.clock()
 
         def add(engine: LLMEngine) -> None:
             bound = engine.config.scheduler.max_waiting_requests
             waiting = engine.num_waiting_requests  # the count stats() reports
             if bound is not None and waiting >= bound:
                 raise QueueFullError(waiting)
-            engine.add_request(prompt_token_ids, sampling_params, request_id, priority)
+            engine.add_request(prompt_token_ids, sampling_params, request_id, priority,
+                               arrival_time=arrival)
             self._streams[request_id] = stream
 
         try:
