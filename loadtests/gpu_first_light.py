@@ -12,7 +12,8 @@ Stages, each one row of the report (runs/first_light/report.md), each bounded:
 3. kernel bench: loadtests/kernel_bench.py (its own table, kernel_bench.md, with floors).
 4. step probe: a random-weight Llama-3-8B-shaped model (load_format="dummy"), timed engine
    steps over a grid of batch shapes, CostModel.fit coefficients written as JSON
-   (cost_model.json) for the cluster simulator (ITERSERVE_SIM_COST_MODEL=<that file>).
+   (cost_model.json) for the cluster simulator and the simulated runner (the engine setting
+   `simulator`: `iterserve serve --simulate --simulator cost_model.json`).
 
 --dry-run runs the same code on CPU with small settings: parity on CPU (fp32 and bf16), the
 step probe on a small Llama shape, and reports the serve stage and the kernel bench as
