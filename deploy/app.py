@@ -45,18 +45,23 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
     """The iterserve application: OpenAIIngress -> LLMReplica x num_replicas."""
     settings = resolve_app(args)
     app_args = settings.args
+    # Both deployments drain for the longest allowed generation: a redeploy that changes the
+    # args replaces the ingress too, and an ingress stopped with Serve's default 20 s cut a
+    # stream it was relaying (RELIABILITY.md section 8).
+    graceful_shutdown_s = settings.drain_timeout_s + SHUTDOWN_SLACK_S
     replica_options: dict[str, Any] = {
         "num_replicas": app_args.num_replicas,
         "max_ongoing_requests": app_args.max_ongoing_requests,
         "ray_actor_options": settings.replica_actor_options,
-        "graceful_shutdown_timeout_s": settings.drain_timeout_s + SHUTDOWN_SLACK_S,
+        "graceful_shutdown_timeout_s": graceful_shutdown_s,
     }
     if app_args.max_replicas_per_node is not None:
         replica_options["max_replicas_per_node"] = app_args.max_replicas_per_node
     replica_options.update(routing_and_scaling_options(settings))
     replica = LLMReplica.options(**replica_options).bind(
         settings.engine, settings.drain_timeout_s, app_args.metrics_prefix)
-    return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas).bind(
+    return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas,
+                                 graceful_shutdown_timeout_s=graceful_shutdown_s).bind(
         replica,
         api_keys=tuple(app_args.api_keys),
         api_key_file=app_args.api_key_file,

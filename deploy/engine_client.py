@@ -103,6 +103,7 @@ class HandleEngineClient:
         self._info: ModelInfo | None = None
         self._tokenizer: Tokenizer | None = None
         self._lock = asyncio.Lock()
+        self._tokenizer_lock = asyncio.Lock()
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -118,8 +119,12 @@ class HandleEngineClient:
     async def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             info = await self.model_info()
-            tokenizer = await asyncio.to_thread(load_tokenizer, info.model_path)
-            self._tokenizer = tokenizer
+            # One load for all the requests that arrive before it ends. Without the lock each
+            # cold request loaded its own copy: 4-16 concurrent loads held the first requests
+            # 12-17 s on a loaded 2-core box before any reached a replica (RELIABILITY.md §8).
+            async with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = await asyncio.to_thread(load_tokenizer, info.model_path)
         return self._tokenizer
 
     async def replica_infos(self) -> list[dict[str, Any]]:

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-env", action="append", default=[], type=_key_value,
                         metavar="KEY=VALUE", help="environment for the started servers "
                         "(repeatable); the simulated GPU is an engine flag: "
-                        "--serve-args='--simulate --simulator {\"time_scale\":12}'")
+                        "--serve-args=\"--simulate --simulator '{\\\"time_scale\\\": 12}'\"")
     parser.add_argument("--wait-for-load", type=float, default=None, metavar="LOAD",
                         help="before each mode, wait until the 1-minute load average is at "
                              "most LOAD (a shared machine), for up to --wait-timeout-s")

@@ -9,9 +9,10 @@ that prefill tokens, decode sequences and KV reads vary independently) through t
 engine, times each `runner.execute` (its sampled token ids come back to the host, which
 synchronises the GPU), records the step's (prefill_tokens, decode_seqs, kv_tokens_read)
 with `SimulatedRunner.batch_shape`, and fits the four coefficients with `CostModel.fit`
-(least squares). The JSON it writes is what `--gpu FILE.json` and
-`ITERSERVE_SIM_COST_MODEL` read. Also measure the start-up delay on the GPU (scale
-decision to first token) and pass it as `ClusterSimConfig.startup_delay_s`.
+(least squares). The JSON it writes is what `--gpu FILE.json` and the simulated runner's
+`simulator` engine setting (`iterserve serve --simulate --simulator FILE.json`) read. Also
+measure the start-up delay on the GPU (scale decision to first token) and pass it as
+`ClusterSimConfig.startup_delay_s`.
 """
 
 from __future__ import annotations

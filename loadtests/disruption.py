@@ -1,5 +1,6 @@
 """Steady streaming load with a timeline, for disruption experiments (issue 14 part 3):
-node loss (`node_loss.py`), scale-down and rolling redeploy (tests/reliability).
+node loss (`node_loss.py`), scale-down and rolling redeploy (`serve_deploy_disruption.py`,
+tests/reliability/test_planned_disruption.py).
 
 `StreamingLoad` runs closed-loop streaming clients in a thread of its own (so the test's
 thread can block in `serve.run` / kill a node meanwhile) and keeps every request's `Outcome`;
@@ -67,6 +68,10 @@ class StreamingLoad:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def stop_sending(self) -> None:
+        """Send no new request; the ones in flight go on (`stop` waits for them)."""
+        self._stop.set()
 
     def stop(self) -> None:
         """Stop sending; wait for the requests in flight (bounded by their timeout)."""

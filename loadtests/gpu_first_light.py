@@ -18,7 +18,8 @@ Stages, each one row of the report (runs/first_light/report.md), each bounded:
    on this device is xgrammar's Triton kernel), with compile p50/p99 and cache hit rate.
 5. step probe: a random-weight Llama-3-8B-shaped model (load_format="dummy"), timed engine
    steps over a grid of batch shapes, CostModel.fit coefficients written as JSON
-   (cost_model.json) for the cluster simulator (ITERSERVE_SIM_COST_MODEL=<that file>).
+   (cost_model.json) for the cluster simulator and the simulated runner (the engine setting
+   `simulator`: `iterserve serve --simulate --simulator cost_model.json`).
 
 --dry-run runs the same code on CPU with small settings: parity on CPU (fp32 and bf16), the
 structured stage on a smaller batch (its ratio reported, the floor not judged: it is a GPU

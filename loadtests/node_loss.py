@@ -2,27 +2,34 @@
 node, the worker node's raylet killed mid-load, then the node brought back.
 
     python -m iterserve.loadtests.node_loss [--clients 8] [--max-tokens 150] [--probe-clients 8]
-        [--autoscale] [--json out.json]
+        [--down-s 20] [--autoscale] [--temp-dir /tmp/ray_nl] [--json out.json]
 
 The head node holds Serve's controller, the HTTP proxy, the ingress and one replica; the
 worker node (added once those are up, then `num_replicas` 2 with `max_replicas_per_node` 1)
-holds the other replica. Under steady streaming load the worker is removed without grace
-(`Cluster.remove_node(allow_graceful=False)`: its raylet and workers are killed). Measured:
+holds the other replica. The engine is the simulated runner with a 20 ms step (the
+`simulator` engine setting). The load runs until the router has sent each replica a few
+requests (the ingress's first requests wait for its tokenizer), then `load_before_s` more;
+then the worker is removed without grace (`Cluster.remove_node(allow_graceful=False)`: its
+raylet and workers are killed). Measured:
 
-* every request: how it ended and when, relative to the kill;
+* every request: how it ended and when, relative to the kill (streams cut by the fault: an
+  SSE error event? a `data: [DONE]`?);
+* each replica's own count of `generate` calls just before the kill (`/debug/replicas`), so
+  a run in which the lost replica carried nothing cannot pass for a node loss;
 * the router's decisions per replica (`iterserve:router_decisions_total` on the ingress's
-  GET /metrics), so the last request routed to the dead replica is known;
+  GET /metrics: requests a replica accepted), and from the ingress's Serve log the requests
+  sent to the dead replica that failed and were routed again, the streams the ingress sent
+  again, and when the controller's broadcast removed the replica (node_loss_report.py);
 * the replica count Serve reports (all states), sampled throughout;
-* when the lost replica's worker process exits (it outlives its raylet by a few seconds);
+* when the lost replica's worker process exits (it outlives its raylet by a moment);
 * when Serve runs two replicas again after the node returns.
 
 `--probe-clients` adds closed-loop clients of short streams (`--probe-tokens`) so that the
-router decides often and its cut-over after the fault is measured, not guessed: the time from
-the kill to the last request it assigns to the lost replica, against one routing stats
-period. `--autoscale` deploys `num_replicas="auto"` (min 2, max 4: the KV autoscaler) instead
-of a fixed 2, so the replica count over time shows what the autoscaler does meanwhile.
-After the kill nothing polls `/debug/replicas` (a broadcast: it would tell the router about
-the dead replica itself); the controller's view (`serve.status`) is read instead.
+router decides often and its cut-over after the fault is measured, not guessed. `--autoscale`
+deploys `num_replicas="auto"` (min 2, max 4: the KV autoscaler) instead of a fixed 2, so the
+replica count over time shows what the autoscaler does meanwhile. After the kill nothing
+polls `/debug/replicas` (a broadcast: it would tell the router about the dead replica
+itself); the controller's view (`serve.status`) is read instead.
 
 The result is one JSON document (the timeline in seconds since the load started); the floors
 are asserted by tests/reliability/test_node_loss.py. Everything is bounded in time.
@@ -44,16 +51,25 @@ from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.autoscale.policy import autoscaling_env_vars
 from iterserve.dashboards.metrics import ROUTER_DECISIONS, metric_name
 from iterserve.loadtests.disruption import StreamingLoad, Timeline
+from iterserve.loadtests.node_loss_report import (
+    Decisions,
+    read_ingress_log,
+    replica_report,
+    requests_report,
+    routing_report,
+)
 from iterserve.loadtests.servers import free_port
 
 APP_NAME = "iterserve"
 SIM_COST = {"a_s": 0.02}  # a step is a 20 ms sleep: the Ray data path is not the bottleneck
-SIM_ENGINE = {"runner": "simulated", "max_model_len": 1024, "num_gpu_blocks_override": 256,
-              "max_num_seqs": 8}
+SIM_ENGINE = {"runner": "simulated", "simulator": json.dumps(SIM_COST), "max_model_len": 1024,
+              "num_gpu_blocks_override": 256, "max_num_seqs": 8}
 HEAD_CPUS = 4
 WORKER_CPUS = 2
 AUTOSCALE = AutoscaleConfig(min_replicas=2, max_replicas=4)
 SAMPLE_PERIOD_S = 0.1
+WARM_DECISIONS = 3  # requests routed to each replica before the timed phase starts
+WARM_TIMEOUT_S = 120.0
 
 
 def _replica_infos(url: str) -> list[dict[str, Any]]:
@@ -165,22 +181,30 @@ class Sampler:
         self._thread.join(timeout=30)
 
     def last_decision_to(self, replica: str) -> float | None:
-        """When the router last sent a request to `replica` (the counter's last increase)."""
-        last, previous = None, None
+        """When the router last sent a request to `replica` (the counter's last increase;
+        a replica missing from the counter has had none)."""
+        last, previous = None, 0.0
         for at, counts in self.decisions:
-            value = counts.get(replica)
-            if value is not None and previous is not None and value > previous:
+            value = counts.get(replica, previous)
+            if value > previous:
                 last = at
-            previous = value if value is not None else previous
+            previous = value
         return last
 
-    def decisions_to_after(self, replica: str, after: float) -> int:
-        """How many requests the router sent to `replica` after time `after`."""
-        before = [c.get(replica, 0.0) for at, c in self.decisions if at <= after]
-        final = [c.get(replica, 0.0) for _, c in self.decisions]
-        if not before or not final:
-            return 0
-        return int(final[-1] - before[-1])
+    def decisions_at(self, replica: str, at: float | None = None) -> int:
+        """The router's decisions for `replica` up to time `at` (None: the last sample)."""
+        samples = [c.get(replica, 0.0) for t, c in self.decisions if at is None or t <= at]
+        return int(samples[-1]) if samples else 0
+
+    def decisions_for(self, replica: str, kill_at: float) -> Decisions:
+        before = self.decisions_at(replica, kill_at)
+        return Decisions(self.last_decision_to(replica), before,
+                         self.decisions_at(replica) - before)
+
+    def all_served(self, replicas: list[str], at_least: int) -> bool:
+        """Every replica in `replicas` has been sent at least `at_least` requests."""
+        return bool(self.decisions) and all(
+            self.decisions[-1][1].get(r, 0.0) >= at_least for r in replicas)
 
 
 def _running_replicas() -> int:
@@ -189,9 +213,10 @@ def _running_replicas() -> int:
 
 def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float = 6.0,
                   down_s: float = 20.0, after_s: float = 8.0, probe_clients: int = 0,
-                  probe_tokens: int = 16, autoscale: bool = False) -> dict[str, Any]:
+                  probe_tokens: int = 16, autoscale: bool = False,
+                  temp_dir: str | None = None) -> dict[str, Any]:
+    """temp_dir: the cluster's Ray temp folder (its logs; None: Ray's default, /tmp/ray)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ["ITERSERVE_SIM_COST_MODEL"] = json.dumps(SIM_COST)  # every worker inherits it
     if autoscale:  # Serve reads these at import, in the controller and the replicas
         os.environ.update(autoscaling_env_vars(AUTOSCALE))
     import ray
@@ -200,9 +225,11 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
 
     from iterserve.deploy.app import build_app
 
+    node_args: dict[str, Any] = {"object_store_memory": 128 * 1024**2}
+    if temp_dir is not None:
+        node_args["temp_dir"] = temp_dir
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={
-        "num_cpus": HEAD_CPUS, "include_dashboard": False,
-        "object_store_memory": 128 * 1024**2})
+        "num_cpus": HEAD_CPUS, "include_dashboard": False, **node_args})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     app_args: dict[str, Any] = {"engine_kwargs": SIM_ENGINE, "num_replicas": 2, "router": "kv",
@@ -219,7 +246,7 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
         deploying.start()
         head_node = ray.get_runtime_context().get_node_id()
         _wait_for(lambda: len(_replica_infos(url)) == 1, 120, "the ingress and one replica")
-        worker = cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=128 * 1024**2)
+        worker = cluster.add_node(num_cpus=WORKER_CPUS, **node_args)
         cluster.wait_for_nodes()
         deploying.join(timeout=120)
         _wait_for(lambda: len(_replica_infos(url)) == 2, 120, "two replicas")
@@ -229,23 +256,32 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
             raise RuntimeError(f"expected one replica on the worker, the ingress on the head: "
                                f"{placement} (head {head_node})")
         dead_replica = on_worker[0]
+        replicas = [r for r in placement if r != "ingress"]
+        session_dir = ray._private.worker._global_node.get_session_dir_path()
         timeline = Timeline()
         with StreamingLoad(url, clients, max_tokens, timeout_s=120) as load, \
                 StreamingLoad(url, probe_clients, probe_tokens, timeout_s=120) as probes, \
                 Sampler(url, timeline, watch_pid=placement[dead_replica][1]) as sampler:
             timeline.start = load_started = time.monotonic()
+            wall_start = time.time()
             sampler.timeline = timeline
             timeline.mark(f"load started ({clients} streaming clients, {max_tokens} tokens; "
                           f"{probe_clients} probe clients, {probe_tokens} tokens)")
+            # Steady load first: the kill must find requests on the replica it takes away
+            # (the ingress's first requests wait for its tokenizer; the router needs a few
+            # stats periods to spread them).
+            _wait_for(lambda: sampler.all_served(replicas, WARM_DECISIONS), WARM_TIMEOUT_S,
+                      f"{WARM_DECISIONS} requests routed to each replica")
+            timeline.mark(f"each replica has been routed {WARM_DECISIONS} requests")
             time.sleep(load_before_s)
-            replicas_before = max((n for _, n in sampler.replica_counts), default=2)
+            served_before = {i["replica_id"]: i["num_requests"] for i in _replica_infos(url)}
             kill_at = timeline.mark("worker node's raylet killed")
             cluster.remove_node(worker, allow_graceful=False)
             _wait_for(lambda: _running_replicas() == 1, 120, "the dead replica to go")
             timeline.mark("the controller runs one replica")
             time.sleep(down_s)
             timeline.mark("worker node added back")
-            cluster.add_node(num_cpus=WORKER_CPUS, object_store_memory=128 * 1024**2)
+            cluster.add_node(num_cpus=WORKER_CPUS, **node_args)
             _wait_for(lambda: len(_replica_infos(url)) == 2, 180, "the replica to come back")
             back_at = timeline.mark("two replicas answer again")
             time.sleep(after_s)
@@ -254,82 +290,24 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
         if sampler.watched_exit_at is not None:
             timeline.events.append((sampler.watched_exit_at, "the lost replica's worker exited"))
             timeline.events.sort()
-        outcomes = _report(load, probes, load_started, kill_at)
-        return {"autoscale": autoscale, "timeline": timeline.events, **outcomes,
-                **_routing_report(sampler, kill_at, dead_replica),
-                **_replica_report(sampler, kill_at, back_at, replicas_before)}
+        log = read_ingress_log(session_dir, wall_start, dead_replica)
+        return {
+            "autoscale": autoscale, "timeline": timeline.events,
+            "generate_calls_before_kill": served_before,
+            **requests_report((load, probes), load_started, kill_at),
+            **routing_report(sampler.decisions_for(dead_replica, kill_at), kill_at,
+                             dead_replica, sampler.watched_exit_at, log,
+                             RouterConfig().routing_stats_period_s),
+            "sample_period_s": sampler.period_s,
+            "router_decisions_around_kill": [
+                (round(at, 2), counts) for at, counts in sampler.decisions
+                if kill_at - 1 <= at <= kill_at + 5],
+            **replica_report(sampler.replica_counts, sampler.replica_states, kill_at, back_at),
+        }
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-
-
-def _report(load: StreamingLoad, probes: StreamingLoad, load_started: float,
-            kill_at: float) -> dict[str, Any]:
-    """How the requests ended, relative to the kill (long streams and probes together)."""
-    in_flight, after, failed_in_flight, failed_after, error_times = 0, 0, [], [], []
-    for source in (load, probes):
-        for outcome in source.outcomes:
-            started = outcome.started - load_started
-            ended = outcome.ended - load_started
-            if started < kill_at < ended:
-                in_flight += 1
-                if not source.is_complete(outcome):
-                    failed_in_flight.append(outcome)
-                    error_times.append(round(ended - kill_at, 2))
-            elif started >= kill_at:
-                after += 1
-                if not source.is_complete(outcome):
-                    failed_after.append(outcome)
-    return {
-        "requests": len(load.outcomes) + len(probes.outcomes),
-        "complete": load.completed() + probes.completed(),
-        "in_flight_at_kill": in_flight,
-        "in_flight_failed": len(failed_in_flight),
-        # an SSE error event's payload (chaos.run_request keeps it as the error); a cut
-        # connection or a client timeout reads "RemoteProtocolError: ..." / "client timeout"
-        "in_flight_failed_with_sse_error": sum(1 for o in failed_in_flight
-                                               if o.status == 200 and o.error
-                                               and o.error.startswith("{")),
-        "in_flight_error_after_kill_s": sorted(error_times),
-        "started_after_kill": after,
-        "started_after_kill_failed": len(failed_after),
-        "failures": (load.failures() + probes.failures())[:20],
-    }
-
-
-def _routing_report(sampler: Sampler, kill_at: float, dead_replica: str) -> dict[str, Any]:
-    """The router's cut-over: its last decision for the lost replica, from the kill and from
-    the replica's worker exiting, against one routing stats period."""
-    last_to_dead = sampler.last_decision_to(dead_replica)
-    exited = sampler.watched_exit_at
-    return {
-        "dead_replica": dead_replica,
-        "routing_stats_period_s": RouterConfig().routing_stats_period_s,
-        "sample_period_s": sampler.period_s,
-        "dead_replica_worker_exited_after_kill_s": (None if exited is None
-                                                    else round(exited - kill_at, 2)),
-        "last_routed_to_dead_replica_s": last_to_dead,
-        "routed_to_dead_replica_after_kill": sampler.decisions_to_after(dead_replica, kill_at),
-        "router_decisions_around_kill": [
-            (round(at, 2), counts) for at, counts in sampler.decisions
-            if kill_at - 1 <= at <= kill_at + 5],
-        "router_stopped_after_kill_s": (None if last_to_dead is None
-                                        else round(max(0.0, last_to_dead - kill_at), 2)),
-        "router_stopped_after_worker_exit_s": (
-            None if last_to_dead is None or exited is None
-            else round(max(0.0, last_to_dead - exited), 2)),
-    }
-
-
-def _replica_report(sampler: Sampler, kill_at: float, back_at: float,
-                    replicas_before: int) -> dict[str, Any]:
-    return {
-        "replicas_before_fault": replicas_before,
-        "max_replicas_seen": max((n for _, n in sampler.replica_counts), default=0),
-        "replica_states_over_time": sampler.replica_states,
-        "replica_back_after_node_return_s": round(back_at - kill_at, 2),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,11 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-tokens", type=int, default=16)
     parser.add_argument("--autoscale", action="store_true",
                         help='num_replicas="auto" (min 2, max 4) instead of 2')
+    parser.add_argument("--temp-dir", default=None,
+                        help="Ray's temp folder for this cluster (default /tmp/ray)")
     parser.add_argument("--json", default=None, help="write the result here too")
     args = parser.parse_args(argv)
     result = run_node_loss(args.clients, args.max_tokens, down_s=args.down_s,
                            probe_clients=args.probe_clients, probe_tokens=args.probe_tokens,
-                           autoscale=args.autoscale)
+                           autoscale=args.autoscale, temp_dir=args.temp_dir)
     text = json.dumps(result, indent=1, default=str)
     print(text)
     if args.json:

@@ -4,14 +4,24 @@ setting, so Serve replaces every replica) drop 0 streams: every request sent end
 [DONE] and all its tokens. The stopping replicas drain: Serve's graceful_shutdown_timeout_s is
 derived from max_model_len (`drain_timeout_for`), long enough for the longest generation.
 
-Simulated runner (20 ms per step). The redeploy goes through `serve.run` of the changed
-application, the same controller path as `serve deploy` of a changed config file (which would
-need Ray's dashboard, too heavy for this box). The timeline is printed for RELIABILITY.md.
+Simulated runner (20 ms per step). Two paths:
+
+* `serve.run` of the changed application in this process (the shared Ray session);
+* `serve deploy` of changed YAML configs with Ray's CLI against a Ray dashboard
+  (`loadtests/serve_deploy_disruption.py`, in a subprocess: it starts its own Ray with the
+  dashboard). A changed `args:` replaces the ingress too, and a stream longer than Serve's
+  default 20 s drain runs through the redeploy. The timelines are printed for RELIABILITY.md.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +30,7 @@ from reliability_support import APP_NAME, SIM_ENGINE
 
 from iterserve.loadtests.disruption import StreamingLoad, Timeline
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(480)]
 
 LOAD_CLIENTS = 8
 MAX_TOKENS = 120  # >= 2.4 s per stream at 20 ms per step: always some stream in flight
@@ -76,3 +86,30 @@ def test_scale_down_and_rolling_redeploy_drop_nothing(serve_session: Any) -> Non
     print("failures:", failures[:10])
     assert len(load.outcomes) >= 2 * LOAD_CLIENTS
     assert not failures, f"{len(failures)} of {len(load.outcomes)} streams dropped: {failures[:5]}"
+
+
+def test_serve_deploy_scale_down_and_redeploy_drop_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "serve_deploy.json"
+    # Ray's socket paths must stay under 107 bytes: a short folder, not pytest's tmp_path.
+    ray_dir = tempfile.mkdtemp(prefix="iterserve-sd-", dir="/tmp")
+    command = [sys.executable, "-m", "iterserve.loadtests.serve_deploy_disruption",
+               "--temp-dir", ray_dir, "--json", str(out)]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=420)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    print("serve deploy:", json.dumps({k: v for k, v in result.items() if k != "configs"}))
+    assert result["requests"] >= 2 * LOAD_CLIENTS
+    assert not result["failures"], result["failures"]
+    assert result["long_streams"] == result["long_complete"] >= 1, result["long_failures"]
+    # the long stream outlived Serve's default drain after the redeploy began
+    assert max(result["long_stream_after_redeploy_s"]) > \
+        result["serve_default_graceful_shutdown_s"]
+    actors = result["actors"]
+    assert len(actors["v1"]["LLMReplica"]) == 2 and len(actors["v2"]["LLMReplica"]) == 1
+    # the redeploy replaced the ingress and the replica (not an in-place config update)
+    assert actors["end"]["OpenAIIngress"] and actors["end"]["LLMReplica"]
+    assert not set(actors["end"]["OpenAIIngress"]) & set(actors["v2"]["OpenAIIngress"])
+    assert not set(actors["end"]["LLMReplica"]) & set(actors["v2"]["LLMReplica"])

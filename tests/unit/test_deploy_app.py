@@ -10,6 +10,7 @@ from iterserve.deploy import cli, cli_serve
 from iterserve.deploy.app import AppArgs, build_app, coerce_engine_kwargs
 from iterserve.deploy.auth import API_KEYS_ENV, ApiKeyChecker, load_api_keys
 from iterserve.deploy.engine_info import flat_config
+from iterserve.deploy.replica import SHUTDOWN_SLACK_S, drain_timeout_for
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.stats import EngineStats
 
@@ -62,6 +63,18 @@ def test_build_app_binds_ingress_over_replica():
     assert engine.scheduler.max_num_seqs == 4
     assert (engine.device, engine.dtype, engine.attention_backend) == ("cpu", "float32", "torch")
     assert isinstance(ingress.init_kwargs["api_keys"][0], SecretStr)
+
+
+def test_ingress_and_replicas_drain_for_the_longest_generation():
+    """A redeploy that changes the args replaces the ingress as well; it must not cut at
+    Serve's default 20 s a stream that the replicas' drain would let finish."""
+    app = build_app({"max_model_len": 2048, "num_replicas": 1})
+    ingress = app._bound_deployment
+    replica = ingress.init_args[0]._bound_deployment
+    drain = drain_timeout_for(2048) + SHUTDOWN_SLACK_S
+    assert drain > 20.0
+    assert replica._deployment_config.graceful_shutdown_timeout_s == drain
+    assert ingress._deployment_config.graceful_shutdown_timeout_s == drain
 
 
 def test_cli_engine_flags_and_aliases():
