@@ -55,3 +55,17 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config():
     spec = manifest["spec"]
     assert spec["rayClusterConfig"]["rayVersion"] == "2.60.0"
     _check(yaml.safe_load(spec["serveConfigV2"]))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_no_config_drains_shorter_than_the_longest_generation(path):
+    """A deployment's graceful_shutdown_timeout_s in a config overrides the app's derived
+    drain: one below drain_timeout_for(max_model_len) would cut long streams on redeploy."""
+    from iterserve.deploy.replica import drain_timeout_for
+
+    for app in ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())).applications:
+        engine = AppArgs.model_validate(app.args or {}).engine_config()
+        need = drain_timeout_for(engine.scheduler.max_model_len or 0)
+        for deployment in app.deployments:
+            given = deployment.model_dump(exclude_unset=True).get("graceful_shutdown_timeout_s")
+            assert given is None or given >= need, (path.name, deployment.name, given, need)
