@@ -175,15 +175,17 @@ def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dic
         runs["continuous 1 thread"] = lambda: engine_throughput(
             workload, "continuous", args.concurrency, model, 1)
     if not args.skip_hf:
-        hf = load_hf_model(resolve_model_path(args.model))  # once: HF dequantizes slowly
-        runs["hf generate"] = lambda: hf_generate(hf, workload, args.concurrency)
-        runs["hf continuous"] = lambda: hf_continuous(hf, workload, args.concurrency,
-                                                      MAX_BATCHED_TOKENS)
-    if args.vllm_python:
+        # Loaded once (HF dequantizes slowly) and bound into the lambdas, not closed over: a
+        # closure would see any later rebinding or `del` of the name.
         hf = load_hf_model(resolve_model_path(args.model))
+        runs["hf generate"] = lambda hf=hf: hf_generate(hf, workload, args.concurrency)
+        runs["hf continuous"] = lambda hf=hf: hf_continuous(hf, workload, args.concurrency,
+                                                            MAX_BATCHED_TOKENS)
+    if args.vllm_python:
+        source = load_hf_model(resolve_model_path(args.model))
         model_dir, workload_file = prepare_vllm_inputs(
-            hf, resolve_model_path(args.model), workload, Path(args.vllm_workdir))
-        del hf
+            source, resolve_model_path(args.model), workload, Path(args.vllm_workdir))
+        del source
         every_core = f"0-{(os.cpu_count() or 1) - 1}"
         for name, setup in (("vllm default", VllmSetup("default binding", None)),
                             ("vllm all cores", VllmSetup("compute on every core", every_core))):
