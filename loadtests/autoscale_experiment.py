@@ -30,6 +30,7 @@ from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.policy import autoscaling_env_vars, serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config
 from iterserve.loadtests.sim_harness import (
+    DEFAULT_TIME_SCALE,
     RESULTS_DIR,
     ReplicaStatsPoller,
     RequestSpec,
@@ -37,8 +38,6 @@ from iterserve.loadtests.sim_harness import (
     replica_app,
     start_ray,
 )
-
-DEFAULT_TIME_SCALE = 5.0
 
 ENGINE_KWARGS: dict[str, Any] = {
     "runner": "simulated",

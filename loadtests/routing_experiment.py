@@ -32,6 +32,7 @@ from typing import Any
 from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests.ray_path_latency import hop_summary
 from iterserve.loadtests.sim_harness import (
+    DEFAULT_TIME_SCALE,
     RESULTS_DIR,
     ReplicaStatsPoller,
     RequestRecord,
@@ -40,10 +41,6 @@ from iterserve.loadtests.sim_harness import (
     replica_app,
     start_ray,
 )
-
-# The simulated GPU runs in slow motion (time_scale) so that 4-8 replicas' token streams fit
-# in 2 CPU cores; every arm uses the same factor, so comparisons are fair.
-DEFAULT_TIME_SCALE = 5.0
 
 # Engine per replica: a deliberately small KV cache (num_gpu_blocks_override) so that a few
 # long requests fill it, as on a GPU serving long contexts; chunked prefill; prefix caching.

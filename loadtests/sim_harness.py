@@ -18,6 +18,9 @@ from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPLICA_DEPLOYMENT = "LLMReplica"
+# The simulated GPU runs in slow motion (time_scale) so that 4-8 replicas' token streams fit
+# in 2 CPU cores; every arm of an experiment uses the same factor, so comparisons are fair.
+DEFAULT_TIME_SCALE = 5.0
 
 
 @dataclass(frozen=True)
