@@ -294,7 +294,7 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
         return {
             "autoscale": autoscale, "timeline": timeline.events,
             "generate_calls_before_kill": served_before,
-            **requests_report((load, probes), load_started, kill_at),
+            **requests_report((load, probes), load_started, kill_at, sampler.watched_exit_at),
             **routing_report(sampler.decisions_for(dead_replica, kill_at), kill_at,
                              dead_replica, sampler.watched_exit_at, log,
                              RouterConfig().routing_stats_period_s),

@@ -85,10 +85,17 @@ def read_ingress_log(session_dir: str, wall_start: float, dead_replica: str
     return IngressLogEvents(removed, died, probes)
 
 
-def requests_report(sources: Iterable[RequestSource], load_started: float, kill_at: float
-                    ) -> dict[str, Any]:
-    """How the requests ended, relative to the kill (every source together)."""
+def requests_report(sources: Iterable[RequestSource], load_started: float, kill_at: float,
+                    lost_at: float | None = None) -> dict[str, Any]:
+    """How the requests ended, relative to the fault (every source together).
+
+    `lost_at` is when the lost replica stopped serving (its worker's exit; default the
+    kill): after the raylet is killed the replica's worker lives on for about a second and
+    keeps accepting and streaming, so a stream started in that window and cut at the exit
+    was under way on the lost node when it went. Whether a request was under way or not
+    yet started is judged at `lost_at`; error times are measured from the kill."""
     sources = list(sources)
+    lost_at = kill_at if lost_at is None else max(kill_at, lost_at)
     in_flight, after = 0, 0
     failed_in_flight: list[Outcome] = []
     failed_after: list[Outcome] = []
@@ -97,12 +104,12 @@ def requests_report(sources: Iterable[RequestSource], load_started: float, kill_
         for outcome in source.outcomes:
             started = outcome.started - load_started
             ended = outcome.ended - load_started
-            if started < kill_at < ended:
+            if started < lost_at < ended:
                 in_flight += 1
                 if not source.is_complete(outcome):
                     failed_in_flight.append(outcome)
                     error_times.append(round(ended - kill_at, 2))
-            elif started >= kill_at:
+            elif started >= lost_at:
                 after += 1
                 if not source.is_complete(outcome):
                     failed_after.append(outcome)
