@@ -18,6 +18,9 @@ from iterserve.replica.request import Request
 
 BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its key holds them: block_tokens
 BlockKey = tuple[int, BlockTokens]  # (hash of the previous block's key, this block's tokens)
+# A request's physical block ids in order: a C int32 array, so a step's input preparation
+# copies every table into its [S, M] array as raw bytes instead of converting Python ints.
+BlockTable = array  # array("i")
 
 
 def block_tokens(tokens: Sequence[int]) -> BlockTokens:
@@ -53,7 +56,7 @@ class BlockManager:
         # Insertion order is reuse order: uncached blocks at the front, cached ones LRU behind.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[BlockKey, int] = {}
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, BlockTable] = {}
         # Per request: how many leading blocks are registered, and the hash chain so far.
         self.num_registered: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -76,8 +79,9 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_total_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+    def block_table(self, request_id: str) -> BlockTable:
+        table = self.block_tables.get(request_id)
+        return table if table is not None else array("i")
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self.block_tables.get(request_id, ()))
@@ -231,20 +235,20 @@ class BlockManager:
         hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
 
-    def try_allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def try_allocate(self, request: Request, num_new_tokens: int) -> BlockTable | None:
         """Grow a running request's blocks for num_new_tokens more tokens if enough are free:
         its block table, or None (nothing taken). The scheduler's per-step fast path: most
         decodes need no new block at all."""
         table = self.block_tables.get(request.request_id)
-        have = len(table) if table is not None else 0
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
-        if needed <= 0 and table is not None:
+        total = request.num_computed_tokens + num_new_tokens
+        if table is not None and total <= len(table) * self.block_size:
             return table
+        needed = -(-total // self.block_size) - (len(table) if table is not None else 0)
         if needed > len(self.free_block_ids):
             return None
         if table is None:
-            table = self.block_tables[request.request_id] = []
-        table += self._take_free(needed)
+            table = self.block_tables[request.request_id] = array("i")
+        table.extend(self._take_free(needed))
         return table
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
@@ -255,7 +259,9 @@ class BlockManager:
         """
         if hits and not self.can_allocate(request, num_new_tokens, hits):
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
-        table = self.block_tables.setdefault(request.request_id, [])
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            table = self.block_tables[request.request_id] = array("i")
         if hits:
             if table:
                 raise RuntimeError("prefix hits are only taken at first admission")
@@ -267,7 +273,7 @@ class BlockManager:
         if needed > len(self.free_block_ids):
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         if needed > 0:
-            table += self._take_free(needed)
+            table.extend(self._take_free(needed))
 
     def append_blocks(self, request_ids: Sequence[str]) -> None:
         """One more block each for these requests, in order: what `allocate(request, n)`
@@ -286,7 +292,7 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; cached ones stay findable until reused."""
-        table = self.block_tables.pop(request.request_id, [])
+        table = self.block_tables.pop(request.request_id, ())
         self.num_registered.pop(request.request_id, None)
         # Free the tail first so that a chain's later blocks are evicted before its head.
         for block_id in reversed(table):

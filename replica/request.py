@@ -69,6 +69,12 @@ class Request:
     # With SamplingParams.prompt_logprobs: one entry per prompt position scored so far, the
     # first (position 0, nothing before it) None. Kept across preemption.
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Set by the scheduler when it takes the request (`Scheduler.add_request`): the output
+    # length at which it must stop (max_tokens, or the model's context) and the ids that may
+    # stop it, so a step's stop check is one set lookup and one comparison until either can
+    # fire. The defaults send every token through the full check.
+    output_length_limit: int = 0
+    stopping_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs and not self.prompt_logprobs:

@@ -135,6 +135,11 @@ class Scheduler:
     # ------------------------------------------------------------------------- lifecycle
     def add_request(self, request: Request) -> None:
         self.check_fits(request)
+        params = request.sampling_params
+        request.output_length_limit = min(params.max_tokens,
+                                          self.config.max_model_len - request.num_prompt_tokens)
+        eos = frozenset() if params.ignore_eos else request.eos_token_ids
+        request.stopping_token_ids = eos | frozenset(params.stop_token_ids)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -183,15 +188,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         running_status = RequestStatus.RUNNING
         try_allocate = self.block_manager.try_allocate
-        plan = self._add_to_output
-        for request in self.policy.order_running(self.running):
+        planned, plans_ahead = output.scheduled, self.plans_ahead
+        for request, remaining in self.policy.order_running(self.running):
             if budget == 0:
                 break
             if request.status is not running_status:
                 continue  # preempted earlier in this loop
             if request.num_output_placeholders and not self._plannable(request):
                 continue  # waits for the token it is being sampled
-            remaining = request.num_uncomputed_tokens
             # All of it (every decode) without a call; else _tokens_to_compute decides.
             num_new = remaining if remaining <= budget else \
                 self._tokens_to_compute(remaining, budget)
@@ -203,7 +207,14 @@ class Scheduler:
                     continue
                 self.block_manager.allocate(request, num_new)
                 table = self.block_manager.block_table(request.request_id)
-            plan(output, request, num_new, num_new == remaining, table)
+            # _add_to_output, inlined: this loop runs for every running request every step.
+            samples = num_new == remaining
+            computed = request.num_computed_tokens
+            planned.append(ScheduledRequest(request, computed, num_new, table, False, samples))
+            if plans_ahead:
+                request.num_computed_tokens = computed + num_new
+                if samples:
+                    request.num_output_placeholders += 1
             budget -= num_new
         if not output.preempted:
             budget = self._admit_waiting(output, budget)
@@ -348,11 +359,15 @@ class Scheduler:
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue
-            request.output_token_ids.append(token_id)
+            outputs = request.output_token_ids
+            outputs.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.token_times.append(now)
             updated.append(request)
+            if token_id not in request.stopping_token_ids \
+                    and len(outputs) < request.output_length_limit:
+                continue  # neither a stop token nor the length limit: it goes on
             try:
                 stop = self._stop_status(request, token_id)
             except Exception as error:  # noqa: BLE001 - its stop check failed: it alone ends

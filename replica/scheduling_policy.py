@@ -4,7 +4,8 @@ The scheduler (`replica/scheduler.py`) owns the one rule (every request's comput
 catch up with its tokens, within one token budget per step). A policy only answers three
 questions, each over plain values, chosen once from the config at construction:
 
-    order_running(running)           in which order running requests grow this step
+    order_running(running)           in which order running requests grow this step, each
+                                     with its uncomputed token count
     choose_victim(candidates)        which running request to preempt (None: never preempt)
     fits(request, num_new, hits, running, blocks)    whether a waiting request may be admitted
 
@@ -24,14 +25,15 @@ from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 
 
-def decodes_first(running: list[Request]) -> list[Request]:
+def decodes_first(running: list[Request]) -> list[tuple[Request, int]]:
     """Decodes before prefill chunks, each group in admission order, so long prompts never
-    stall decodes."""
-    decodes: list[Request] = []
-    prefills: list[Request] = []
-    for request in running:
-        (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
-    return decodes + prefills
+    stall decodes; each request with its uncomputed token count (1: a decode), counted once
+    here because the scheduler reads it per request per step."""
+    pending = [(r, r.num_uncomputed_tokens) for r in running]
+    decodes = [p for p in pending if p[1] == 1]
+    if len(decodes) == len(pending):
+        return decodes
+    return decodes + [p for p in pending if p[1] != 1]
 
 
 class SchedulingPolicy:
@@ -43,7 +45,7 @@ class SchedulingPolicy:
     def __init__(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
 
-    def order_running(self, running: list[Request]) -> list[Request]:
+    def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
         return decodes_first(running)
 
     def choose_victim(self, candidates: list[Request]) -> Request | None:
@@ -60,11 +62,11 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
     waiting_by_priority = True
 
-    def order_running(self, running: list[Request]) -> list[Request]:
+    def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
         # Decodes first, then the most important grow first, so the victims of any
         # preemption later in the step are the least important.
-        return sorted(running, key=lambda r: (r.num_uncomputed_tokens != 1, r.priority,
-                                              r.arrival_time))
+        pending = [(r, r.num_uncomputed_tokens) for r in running]
+        return sorted(pending, key=lambda p: (p[1] != 1, p[0].priority, p[0].arrival_time))
 
     def choose_victim(self, candidates: list[Request]) -> Request | None:
         return max(candidates, key=_priority_then_arrival, default=None)

@@ -28,13 +28,14 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(10, 4000) for _ in range(n)] for n in (5, 30, 12, 48)]
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], bad_index: int | None = None
-        ) -> tuple[dict[str, list[int]], dict[str, str]]:
+def run(engine: LLMEngine, prompts: list[list[int]], bad_index: int | None = None,
+        bad_max_tokens: int = 12) -> tuple[dict[str, list[int]], dict[str, str]]:
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     for i, prompt in enumerate(prompts):
         request_id = BAD if i == bad_index else f"r{i}"
-        params = SamplingParams(temperature=0.8, max_tokens=12, seed=7) if i == bad_index else GREEDY
+        params = SamplingParams(temperature=0.8, max_tokens=bad_max_tokens, seed=7) \
+            if i == bad_index else GREEDY
         engine.add_request(prompt, params, request_id)
         tokens[request_id] = []
     while engine.has_unfinished_requests():
@@ -138,7 +139,9 @@ def test_a_stop_check_fault_ends_only_its_request(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(Scheduler, "_stop_status", faulty)
     llm = engine()
-    tokens, errors = run(llm, prompts, bad_index=3)
+    # The full check runs where a stop can fire: at a stop token, or here at its 4th and
+    # last token (max_tokens 4); without the fault that request would end with "length".
+    tokens, errors = run(llm, prompts, bad_index=3, bad_max_tokens=4)
     assert set(errors) == {BAD} and "injected fault" in errors[BAD]
     assert len(tokens[BAD]) == 4  # the token whose check failed is the last one sent
     for request_id, expected in clean.items():

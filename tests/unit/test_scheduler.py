@@ -98,7 +98,7 @@ def test_finished_requests_free_blocks_and_waiting_join_next_step() -> None:
     assert [s.request for s in output.scheduled] == [first, second]
     scheduler.update(output, runner.execute(output))
     assert first.status == RequestStatus.FINISHED_LENGTH
-    assert scheduler.block_manager.block_table(first.request_id) == []
+    assert len(scheduler.block_manager.block_table(first.request_id)) == 0
     output = scheduler.schedule()  # the next step: third joins at once
     assert third in [s.request for s in output.scheduled]
 
@@ -302,5 +302,31 @@ def test_static_batch_without_padding_frees_rows_at_once() -> None:
     while not short.is_finished:
         output = scheduler.schedule()
         scheduler.update(output, runner.execute(output))
-    assert scheduler.block_manager.block_table(short.request_id) == []
+    assert len(scheduler.block_manager.block_table(short.request_id)) == 0
     assert not any(s.is_padding for s in scheduler.schedule().scheduled)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 30),
+       min_tokens=st.integers(0, 30), ignore_eos=st.booleans(),
+       eos=st.sets(st.integers(0, 40), max_size=3),
+       stop_ids=st.lists(st.integers(0, 40), max_size=3), max_model_len=st.integers(22, 60))
+def test_the_per_token_stop_shortcut_stops_where_the_full_check_does(
+        prompt_len: int, max_tokens: int, min_tokens: int, ignore_eos: bool, eos: set[int],
+        stop_ids: list[int], max_model_len: int) -> None:
+    """update() skips _stop_status unless a stopping id or the length limit is reached; the
+    request must end at the same token, for the same reason, as checking every token."""
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                            ignore_eos=ignore_eos, stop_token_ids=stop_ids, temperature=0.0)
+    results = []
+    for full_check in (False, True):
+        scheduler, _ = make_scheduler(max_model_len=max_model_len)
+        runner = NullRunner(64, vocab_size=41)  # token ids 0-40: stops do fire
+        request = Request("r", [(i * 7) % 41 for i in range(prompt_len)], params, 0.0,
+                          eos_token_ids=frozenset(eos))
+        scheduler.add_request(request)
+        if full_check:  # what update() did before the shortcut: every token fully checked
+            request.output_length_limit, request.stopping_token_ids = 0, frozenset()
+        run_to_completion(scheduler, runner)
+        results.append((request.output_token_ids, request.status, request.stop_reason))
+    assert results[0] == results[1]

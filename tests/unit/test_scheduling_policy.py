@@ -48,7 +48,9 @@ def test_running_order_puts_decodes_first() -> None:
     prefill, decode = request(10), request(4)
     decode.output_token_ids.append(5)
     decode.num_computed_tokens = 4
-    assert make_policy("fcfs", 100).order_running([prefill, decode]) == [decode, prefill]
+    ordered = make_policy("fcfs", 100).order_running([prefill, decode])
+    assert [r for r, _ in ordered] == [decode, prefill]
+    assert [n for _, n in ordered] == [1, prefill.num_uncomputed_tokens]
 
 
 def test_no_evict_admission_reserves_running_worst_cases() -> None:
