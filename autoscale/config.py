@@ -105,6 +105,12 @@ class RouterConfig(BaseModel):
         "multi-tenant, 3 ahead on multi-tenant; 1-2 lose sessions to the balance, 8-16 "
         "pile tenants up).",
     )
+    use_replica_cache_reports: bool = Field(
+        True,
+        description="KVAwareRouter: read the prefix-cache block hashes the replicas report "
+        "with their routing stats, and rank with each replica's cached share of the prompt "
+        "(cached_tokens); off, the affinity table of recent routes stands in for it.",
+    )
     routed_work_half_life_s: float = Field(
         5.0, gt=0.0, description="Half-life of the routed-work meter.",
     )

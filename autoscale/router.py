@@ -5,11 +5,12 @@ Attach it to the replica deployment (not to an HTTP ingress, whose router sees A
     from iterserve.autoscale.router import request_router_config
     @serve.deployment(request_router_config=request_router_config(RouterConfig()))
     class LLMReplica:
-        def record_routing_stats(self) -> dict: return ReplicaLoad.from_engine_stats(...).to_dict()
+        async def record_routing_stats(self) -> dict:
+            return ReplicaLoad.from_engine_stats(...).with_cached_blocks(hashes, 16).to_dict()
         async def generate(self, prompt_token_ids: list[int], ...): ...
 
 What the router reads from a request (PendingRequest.args / kwargs of the handle call):
-the prompt's token ids, for prefix affinity, from (first match wins)
+the prompt's token ids, for prefix affinity and the replicas' cache reports, from (first match wins)
   1. kwargs["prompt_token_ids"]   (a list/tuple of ints)
   2. args[0] if it is a list/tuple of ints
   3. args[0]["prompt_token_ids"] or args[0].prompt_token_ids if args[0] is a dict / object
@@ -19,6 +20,13 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
   2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
   3. args[0]["max_tokens"] / args[0].max_tokens
 Missing: only the prompt counts. Nothing else in the request is read.
+
+Which replica holds the prompt's prefix: the replicas' routing stats carry the stable hashes
+of the blocks their prefix caches can hit (deploy/replica.py, replica/block_hashes.py); the
+router hashes the prompt's blocks the same way and passes each reporting replica's cached
+prefix as `cached_tokens` (autoscale/replica_cache_reports.py), as the simulator's
+`IterserveRouter` does. Without reports (RouterConfig.use_replica_cache_reports off, or
+replicas that send none) the affinity table of recent routes stands in.
 
 Each process that holds a handle (every ingress replica) has its own router instance; the
 routers share nothing but the replicas' routing_stats, which Serve polls every
@@ -44,12 +52,16 @@ from ray.serve.request_router import (
 )
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
+# Requests chosen for but not yet routed whose cache answers are kept (Serve routes a
+# request soon after choosing; more than this pending at once are charged their whole prompt).
+MAX_REMEMBERED_HITS = 4096
 
 
 def extract_prompt_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:
@@ -91,7 +103,8 @@ def extract_max_tokens(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):
-    """Ranks replicas by KV watermark, waiting queue and KV usage; optional prefix affinity.
+    """Ranks replicas by KV watermark, waiting queue and KV usage, and by which of them
+    caches the prompt's prefix (their own reports; else optional prefix affinity).
 
     Serve builds it (do not override __init__) and calls `initialize_state(**kwargs)` with
     `RequestRouterConfig.request_router_kwargs`, i.e. `RouterConfig(...).model_dump()`.
@@ -106,6 +119,11 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self._core: KVRouterCore[ReplicaID] = KVRouterCore(self.config)
         self._rng = random.Random()
         self._metrics = RouterMetrics(self.config.model_name)
+        self._parsed = ParsedLoads()
+        # choose_replicas' cache answers by internal request id, until on_request_routed
+        # charges the chosen replica only the prompt tokens it does not cache (bounded:
+        # a request Serve never routes must not stay here forever).
+        self._hits: dict[str, dict[ReplicaID, int]] = {}
 
     def _ensure_state(self) -> None:
         # Serve calls initialize_state(**request_router_kwargs) right after construction;
@@ -114,19 +132,32 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             self.initialize_state()
 
     def _loads(self, replicas: Sequence[RunningReplica]) -> list[ReplicaLoad | None]:
-        return [ReplicaLoad.try_from_dict(r.routing_stats) for r in replicas]
+        return [self._parsed.load(r.replica_id, r.routing_stats) for r in replicas]
 
-    def _prompt(self, pending_request: PendingRequest | None) -> tuple[int | None, int, int]:
-        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, prompt length),
-        zeros when the request carries no token ids."""
+    def _prompt(self, pending_request: PendingRequest | None
+                ) -> tuple[list[int] | None, int | None, int]:
+        """(the prompt's token ids, prefix-affinity key, KV footprint: prompt + max_tokens);
+        (None, None, 0) when the request carries no token ids."""
         if pending_request is None:
-            return None, 0, 0
+            return None, None, 0
         token_ids = extract_prompt_token_ids(pending_request.args, pending_request.kwargs)
         if token_ids is None:
-            return None, 0, 0
+            return None, None, 0
         max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
         key, footprint = self._core.request_key(token_ids, max_tokens)
-        return key, footprint, len(token_ids)
+        return token_ids, key, footprint
+
+    def _cached_tokens(self, token_ids: list[int] | None, replica_ids: Sequence[ReplicaID],
+                       loads: Sequence[ReplicaLoad | None]) -> dict[ReplicaID, int] | None:
+        if token_ids is None or not self.config.use_replica_cache_reports:
+            return None
+        return cached_prefix_tokens(token_ids, replica_ids, loads)
+
+    def _remember_hits(self, request_id: str, hits: dict[ReplicaID, int]) -> None:
+        self._hits.pop(request_id, None)  # re-inserted last: the newest
+        self._hits[request_id] = hits
+        if len(self._hits) > MAX_REMEMBERED_HITS:
+            del self._hits[next(iter(self._hits))]
 
     async def choose_replicas(
         self,
@@ -142,11 +173,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self._rng.shuffle(shuffled)
         by_id = {r.replica_id: r for r in shuffled}
         loads = self._loads(shuffled)
-        key, num_tokens, prompt_tokens = self._prompt(pending_request)
-        # Replicas do not report their prefix-cache block hashes to Ray's router yet, so
-        # cached_tokens is unknown here and the affinity table stands in for it.
-        ranked = self._core.rank([r.replica_id for r in shuffled], loads, key, num_tokens, time.time(),
-                                 prompt_tokens=prompt_tokens)
+        token_ids, key, num_tokens = self._prompt(pending_request)
+        replica_ids = [r.replica_id for r in shuffled]
+        cached = self._cached_tokens(token_ids, replica_ids, loads)
+        ranked = self._core.rank(replica_ids, loads, key, num_tokens, time.time(),
+                                 prompt_tokens=len(token_ids or ()), cached_tokens=cached)
+        if pending_request is not None and cached is not None:
+            self._remember_hits(pending_request.metadata.internal_request_id, cached)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
@@ -160,9 +193,11 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         result: ReplicaResult,
     ) -> None:
         self._ensure_state()
-        key, num_tokens, prompt_tokens = self._prompt(pending_request)
-        self._core.routed(pending_request.metadata.internal_request_id, replica_id,
-                          time.time(), key, num_tokens, prefill_tokens=prompt_tokens)
+        token_ids, key, num_tokens = self._prompt(pending_request)
+        request_id = pending_request.metadata.internal_request_id
+        hit = self._hits.pop(request_id, {}).get(replica_id, 0)
+        self._core.routed(request_id, replica_id, time.time(), key, num_tokens,
+                          prefill_tokens=max(0, len(token_ids or ()) - hit))
         self._metrics.record_decision(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -173,11 +208,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         super().update_replicas(replicas)
         self._ensure_state()
         self._core.keep_only(r.replica_id for r in replicas)
+        self._parsed.keep_only(r.replica_id for r in replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ensure_state()
         self._core.replica_died(replica_id)
+        self._parsed.forget(replica_id)
 
 
 def request_router_config(config: RouterConfig | None = None) -> RequestRouterConfig:

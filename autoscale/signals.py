@@ -2,18 +2,21 @@
 
 `ReplicaLoad` is the one wire type of a replica's load: the replica builds it from the
 engine's `EngineStats` snapshot (`from_engine_stats`) and returns it from
-`record_routing_stats()` (as `to_dict()`) and `record_autoscaling_stats()` (as
-`to_autoscaling_metrics()`); the router parses it back (`from_dict`), the autoscaling policy
-reads its metric names, `/debug/replicas` shows `to_dict()`, and the cluster simulator passes
-it as is. Both dicts hold numbers only (Serve's autoscaling metrics require it). Nothing here
-reads a clock.
+`record_routing_stats()` (as `to_dict()`, with its prefix cache's block hashes added by
+`with_cached_blocks`) and `record_autoscaling_stats()` (as `to_autoscaling_metrics()`); the
+router parses it back (`from_dict`), the autoscaling policy reads its metric names,
+`/debug/replicas` shows `to_dict()` (built without the hashes), and the cluster simulator
+passes it as is. The autoscaling metrics hold numbers only (Serve requires it); the routing
+stats hold numbers plus, when the replica reports them, `cached_block_hashes` (a list of
+ints: `replica/block_hashes.py`'s stable hashes) and `block_size`. Nothing here reads a
+clock.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from iterserve.replica.stats import EngineStats
@@ -39,6 +42,8 @@ class ReplicaLoad:
     but not yet running (preempted ones included). max_waiting_requests: the engine's
     waiting-queue bound (None: unbounded). timestamp: time.time() when the engine took the
     snapshot. draining: the replica is shutting down and admits nothing new.
+    cached_block_hashes: the stable hashes (`replica/block_hashes.py`) of the blocks its
+    prefix cache can hit, of `block_size` tokens each (None: not reported).
     """
 
     kv_usage: float
@@ -51,6 +56,8 @@ class ReplicaLoad:
     max_waiting_requests: int | None = None
     draining: bool = False
     num_preemptions: int = 0  # cumulative (dashboards and /debug/replicas)
+    cached_block_hashes: frozenset[int] | None = None
+    block_size: int = 0  # tokens per block of cached_block_hashes (0: none reported)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
@@ -62,6 +69,8 @@ class ReplicaLoad:
                 f"num_free_blocks ({self.num_free_blocks}) must be in "
                 f"[0, num_total_blocks={self.num_total_blocks}]"
             )
+        if self.cached_block_hashes is not None and self.block_size < 1:
+            raise ValueError(f"cached_block_hashes need a block_size >= 1, got {self.block_size}")
 
     @classmethod
     def from_engine_stats(cls, stats: EngineStats, draining: bool = False) -> ReplicaLoad:
@@ -77,6 +86,12 @@ class ReplicaLoad:
             draining=draining,
             num_preemptions=int(stats.num_preemptions),
         )
+
+    def with_cached_blocks(self, hashes: Iterable[int] | None, block_size: int) -> ReplicaLoad:
+        """This load with the replica's prefix-cache report (None: no report)."""
+        if hashes is None:
+            return replace(self, cached_block_hashes=None, block_size=0)
+        return replace(self, cached_block_hashes=frozenset(hashes), block_size=block_size)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaLoad:
@@ -97,6 +112,7 @@ class ReplicaLoad:
                 ),
                 draining=float(data.get("draining", 0.0)) >= 0.5,
                 num_preemptions=int(float(data.get("num_preemptions", 0))),
+                **_cached_blocks_of(data),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc
@@ -111,13 +127,18 @@ class ReplicaLoad:
         except ValueError:
             return None
 
-    def to_dict(self) -> dict[str, float]:
-        """Numbers only: the return value of `record_routing_stats()`; `from_dict` reads it."""
-        data = {k: float(v) for k, v in asdict(self).items()
-                if k not in ("max_waiting_requests", "draining")}
+    def to_dict(self) -> dict[str, float | list[int]]:
+        """The return value of `record_routing_stats()`; `from_dict` reads it. Numbers, plus
+        the cached block hashes as a list of ints when reported."""
+        data: dict[str, float | list[int]] = {
+            f.name: float(getattr(self, f.name)) for f in fields(self)
+            if f.name not in _NOT_PLAIN_NUMBERS}
         data["max_waiting_requests"] = float(
             -1 if self.max_waiting_requests is None else self.max_waiting_requests)
         data["draining"] = 1.0 if self.draining else 0.0
+        if self.cached_block_hashes is not None:
+            data["cached_block_hashes"] = list(self.cached_block_hashes)
+            data["block_size"] = float(self.block_size)
         return data
 
     def to_autoscaling_metrics(self) -> dict[str, float]:
@@ -130,8 +151,27 @@ class ReplicaLoad:
         }
 
     @property
+    def num_cached_block_hashes(self) -> int:
+        return 0 if self.cached_block_hashes is None else len(self.cached_block_hashes)
+
+    @property
     def queue_full(self) -> bool:
         return (
             self.max_waiting_requests is not None
             and self.num_waiting >= self.max_waiting_requests
         )
+
+
+_NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size")
+
+
+def _cached_blocks_of(data: Mapping[str, Any]) -> dict[str, Any]:
+    """from_dict's cached_block_hashes and block_size fields (empty: not reported)."""
+    hashes = data.get("cached_block_hashes")
+    if hashes is None:
+        return {}
+    if not isinstance(hashes, (list, tuple, set, frozenset)) or not all(
+            isinstance(h, int) for h in hashes):
+        raise ValueError("cached_block_hashes must be a list of ints")
+    return {"cached_block_hashes": frozenset(hashes),
+            "block_size": int(float(data.get("block_size", 0)))}

@@ -7,7 +7,9 @@ before the first output are yielded as `EngineErrorInfo` records rather than rai
 cross the handle intact (no RayTaskError wrapping).
 
 `record_routing_stats` / `record_autoscaling_stats` return the replica's `ReplicaLoad`
-(autoscale/signals.py), the one wire type of its load.
+(autoscale/signals.py), the one wire type of its load; the routing stats also carry the
+stable hashes of the blocks its prefix cache can hit (replica/block_hashes.py), so that
+KVAwareRouter knows which replica holds a prompt's prefix. Only that call pays for them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -149,9 +152,15 @@ class LLMReplica:
                  "num_cancelled": self._num_cancelled}
         return describe_engine(self.engine, extra)
 
-    def record_routing_stats(self) -> dict[str, float]:
+    async def record_routing_stats(self) -> dict[str, float | list[int]]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
-        return self._load().to_dict()
+        load = self._load()
+        try:
+            hashes = await self.engine.cached_block_hashes()
+        except EngineDeadError:  # the load says it admits nothing; no cache to report
+            hashes = None
+        return load.with_cached_blocks(
+            hashes, self.engine.config.cache.block_size).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""

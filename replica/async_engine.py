@@ -136,6 +136,11 @@ class AsyncLLMEngine:
         """The snapshot taken after the latest step (or idle tick); safe from any thread."""
         return self._stats
 
+    async def cached_block_hashes(self) -> list[int] | None:
+        """The prefix cache's stable block hashes (`LLMEngine.cached_block_hashes`), taken
+        on the engine thread between steps: that thread alone changes the cache."""
+        return await self.call(lambda engine: engine.cached_block_hashes())
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self._submit(lambda engine: engine.add_stat_logger(stat_logger))
 

@@ -4,7 +4,9 @@ A mixin of LLMEngine (the seam between stepping and reporting): it reads the eng
 scheduler, block manager, config and clock, and keeps its own counters, set by `init_stats`.
 Every request that ends is counted once, under its reason, when it ends; the stats of those
 that ended outside a step (aborts, failures) wait for the next record (a step or an idle
-tick), so /metrics agrees with the engine whether it steps or not.
+tick), so /metrics agrees with the engine whether it steps or not. `cached_block_hashes`
+(the prefix cache's stable block hashes, for routers) is asked for on its own: the engine
+takes a `stats()` snapshot after every step, and that must not pay for hashing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from iterserve.replica.block_hashes import CachedBlockHashes
 from iterserve.replica.outputs import SchedulerOutput
 from iterserve.replica.request import Request
 from iterserve.replica.stats import (
@@ -46,6 +49,14 @@ class EngineStatsReporting:
         self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
         self._last_step_tokens = 0
+        self._block_hashes = CachedBlockHashes()
+
+    def cached_block_hashes(self) -> list[int] | None:
+        """The stable hashes (`block_hashes`) of the blocks the prefix cache can hit now,
+        or None when prefix caching is off. Call on the engine's thread, between steps."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        return self._block_hashes.report(self.block_manager.cached_blocks)
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)

@@ -81,3 +81,22 @@ def test_the_wire_dict_is_numbers_and_round_trips():
         assert all(isinstance(v, float) for v in sent.to_dict().values())
         assert all(isinstance(v, float) for v in sent.to_autoscaling_metrics().values())
         assert ReplicaLoad.from_dict(sent.to_dict()) == sent
+
+
+def test_cached_block_hashes_round_trip_and_stay_out_of_the_autoscaling_metrics():
+    plain = ReplicaLoad.from_engine_stats(stats())
+    assert "cached_block_hashes" not in plain.to_dict() and plain.cached_block_hashes is None
+    hashes = [2**64 - 1, 7, 123456789]
+    load = plain.with_cached_blocks(hashes, 16)
+    wire = json.loads(json.dumps(load.to_dict()))
+    assert sorted(wire["cached_block_hashes"]) == sorted(hashes) and wire["block_size"] == 16
+    back = ReplicaLoad.from_dict(wire)
+    assert back == load and back.cached_block_hashes == frozenset(hashes)
+    assert back.block_size == 16 and back.num_cached_block_hashes == 3
+    assert load.to_autoscaling_metrics() == plain.to_autoscaling_metrics()
+    assert all(isinstance(v, float) for v in load.to_autoscaling_metrics().values())
+    assert plain.with_cached_blocks(None, 16) == plain
+    empty = ReplicaLoad.from_dict(plain.with_cached_blocks([], 16).to_dict())
+    assert empty.cached_block_hashes == frozenset()  # reported, holding nothing
+    assert ReplicaLoad.try_from_dict({**wire, "cached_block_hashes": "abc"}) is None
+    assert ReplicaLoad.try_from_dict({**wire, "block_size": 0}) is None

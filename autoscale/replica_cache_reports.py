@@ -1,0 +1,65 @@
+"""What the replicas' own prefix-cache reports say about one prompt (the Ray adapter's side).
+
+Each replica's routing stats carry the stable hashes of the blocks its prefix cache can hit
+(`ReplicaLoad.cached_block_hashes`, block_size tokens each; replica/block_hashes.py). For a
+prompt, a replica caches as many leading tokens as the leading run of the prompt's block
+hash chain found in its set: `cached_prefix_tokens` gives that per reporting replica, the
+`cached_tokens` that `KVRouterCore.rank` takes (what the cluster simulator gets from its
+replicas directly). The chain leaves the prompt's last token out, as the block manager's
+lookup does, so a hit always leaves at least one token to compute.
+
+`ParsedLoads` parses each replica's routing stats once per update, not once per request:
+Serve hands the router a new dict object with every poll, so the dict's identity is the
+update's (the cache holds the dict, so its id cannot be reused while cached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.replica.block_hashes import leading_run, prompt_block_hashes
+
+
+class ParsedLoads:
+    """`ReplicaLoad.try_from_dict(stats)` per replica, kept until its stats dict changes."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[Hashable, tuple[Mapping[str, Any] | None, ReplicaLoad | None]] = {}
+
+    def load(self, replica_id: Hashable, stats: Mapping[str, Any] | None) -> ReplicaLoad | None:
+        cached = self._parsed.get(replica_id)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
+        load = ReplicaLoad.try_from_dict(stats)
+        self._parsed[replica_id] = (stats, load)
+        return load
+
+    def keep_only(self, live: Iterable[Hashable]) -> None:
+        live_ids = set(live)
+        for rid in [r for r in self._parsed if r not in live_ids]:
+            del self._parsed[rid]
+
+    def forget(self, replica_id: Hashable) -> None:
+        self._parsed.pop(replica_id, None)
+
+
+def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable],
+                         loads: Sequence[ReplicaLoad | None]) -> dict[Hashable, int] | None:
+    """Per candidate that reported its prefix cache: how many leading prompt tokens it
+    holds. Candidates without a report are left out (missing means 0); None when none
+    reported. The prompt's chain is hashed once per block size the replicas report."""
+    chains: dict[int, list[int]] = {}
+    hits: dict[Hashable, int] | None = None
+    for replica_id, load in zip(candidates, loads, strict=True):
+        if load is None or load.cached_block_hashes is None:
+            continue
+        size = load.block_size
+        chain = chains.get(size)
+        if chain is None:
+            chain = chains[size] = prompt_block_hashes(token_ids, size)
+        if hits is None:
+            hits = {}
+        hits[replica_id] = leading_run(chain, load.cached_block_hashes) * size
+    return hits
