@@ -186,6 +186,11 @@ class ReplicaStatsPoller:
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
                 continue  # starting, stopping or too busy: skip this sample
             if stats:
+                # A sample keeps the count of the prefix-cache hashes, not the hashes: a run
+                # takes thousands of samples and each may list tens of thousands of blocks.
+                hashes = stats.pop("cached_block_hashes", None)
+                if hashes is not None:
+                    stats["num_cached_block_hashes"] = len(hashes)
                 self.samples.append({"t": now, "replica": name[len(self.prefix):], **stats})
         status = serve.status().applications.get(self.app_name)
         if status is not None and self.deployment in status.deployments:

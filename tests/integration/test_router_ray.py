@@ -1,7 +1,10 @@
-"""KVAwareRouter inside a real local Ray Serve: two replicas, one artificially full.
+"""KVAwareRouter inside a real local Ray Serve: two replicas, one artificially full; and two
+replicas that report their prefix caches' block hashes.
 
 The replicas are a tiny test deployment whose record_routing_stats reports a full KV cache
 when a flag file names it; the router must then send every new request to the other one.
+The caching ones report the stable block hashes (replica/block_hashes.py) of every prompt
+they served; a repeated long prompt must then go to the replica that served it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from ray import cloudpickle, serve  # noqa: E402
 from iterserve.autoscale.config import RouterConfig  # noqa: E402
 from iterserve.autoscale.router import request_router_config  # noqa: E402
 from iterserve.autoscale.signals import ReplicaLoad  # noqa: E402
+from iterserve.replica.block_hashes import prompt_block_hashes  # noqa: E402
+
+BLOCK_SIZE = 16
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -48,6 +54,24 @@ class FakeReplica:
 
     async def generate(self, prompt_token_ids: list[int]) -> str:
         self.served += 1
+        return self.replica_id
+
+
+@serve.deployment(max_ongoing_requests=100, ray_actor_options={"num_cpus": 0})
+class CachingReplica:
+    """Reports, as its prefix cache, the block hashes of every prompt it served."""
+
+    def __init__(self) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.cached: set[int] = set()
+
+    async def record_routing_stats(self) -> dict:
+        load = ReplicaLoad(kv_usage=0.1, num_waiting=0, num_running=1, num_free_blocks=90,
+                           num_total_blocks=100, step_token_rate=0.0, timestamp=time.time())
+        return load.with_cached_blocks(self.cached, BLOCK_SIZE).to_dict()
+
+    async def generate(self, prompt_token_ids: list[int]) -> str:
+        self.cached.update(prompt_block_hashes(prompt_token_ids, BLOCK_SIZE))
         return self.replica_id
 
 
@@ -93,3 +117,25 @@ def test_full_replica_gets_no_new_requests(ray_serve, tmp_path):
     again = [handle.generate.remote(prompt) for _ in range(30)]
     assert full_id in {r.result() for r in again}
     serve.delete("router_test")
+
+
+def test_a_repeated_prompt_goes_to_the_replica_that_reported_its_prefix(ray_serve):
+    # affinity and the routed-work balance off: only the replicas' reports can keep the
+    # prompt on one replica (else the router's shuffle spreads the sequential requests)
+    cfg = RouterConfig(routing_stats_period_s=0.2, prefix_affinity=False, routed_work_weight=0.0)
+    app = CachingReplica.options(num_replicas=2,
+                                 request_router_config=request_router_config(cfg)).bind()
+    handle = serve.run(app, name="cache_report_test", route_prefix=None)
+    short = [1, 2, 3]  # no full block: reported by nobody, spread by the shuffle
+    seen: set[str] = set()
+    deadline = time.time() + 60
+    while len(seen) < 2 and time.time() < deadline:
+        seen.update(handle.generate.remote(short).result() for _ in range(10))
+    assert len(seen) == 2, f"expected two replicas, saw {seen}"
+
+    prompt = list(range(100, 100 + 20 * BLOCK_SIZE))
+    holder = handle.generate.remote(prompt).result()
+    time.sleep(1.5)  # several routing-stats periods: the holder's report reaches the router
+    chosen = [handle.generate.remote(prompt).result() for _ in range(12)]
+    assert set(chosen) == {holder}, f"{len(chosen) - chosen.count(holder)} of 12 went elsewhere"
+    serve.delete("cache_report_test")
