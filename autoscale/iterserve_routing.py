@@ -35,7 +35,8 @@ class IterserveRouter:
 
     use_replica_cache: read the replicas' own prefix-cache answers
     (`ReplicaView.cached_prefix_tokens`) where the caller gives them; False runs the router
-    as the Ray adapter does today (replicas do not report their block hashes to it yet).
+    as the Ray adapter does with `RouterConfig.use_replica_cache_reports` off (the affinity
+    table stands in; the adapter's default reads the replicas' reported block hashes).
     in_flight: where the in-flight corrections come from (module docstring)."""
 
     def __init__(self, config: RouterConfig | None = None, name: str = "iterserve",

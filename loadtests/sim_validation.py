@@ -65,7 +65,9 @@ class PowerOfTwo:
 
 ARM_ROUTERS = {
     "pow2 (Ray default)": lambda period: PowerOfTwo(),
-    # as the Ray adapter runs: no replica cache answers (replicas do not report block hashes)
+    # as the Ray adapter ran for the recorded Ray results: no replica cache answers (before
+    # the replicas reported block hashes; a Ray run since has them unless
+    # RouterConfig.use_replica_cache_reports is off)
     "KVAware": lambda period: IterserveRouter(RouterConfig(prefix_affinity=False,
                                                            routing_stats_period_s=period),
                                               use_replica_cache=False),
