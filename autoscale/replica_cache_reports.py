@@ -9,8 +9,8 @@ replicas directly). The chain leaves the prompt's last token out, as the block m
 lookup does, so a hit always leaves at least one token to compute.
 
 `ParsedLoads` parses each replica's routing stats once per update, not once per request:
-Serve hands the router a new dict object with every poll, so the dict's identity is the
-update's (the cache holds the dict, so its id cannot be reused while cached).
+Serve hands the router a new dict object with every poll, so the dict's identity (held by
+the cache, so its id cannot be reused while cached) and its timestamp name the update.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ class ParsedLoads:
     """`ReplicaLoad.try_from_dict(stats)` per replica, kept until its stats dict changes."""
 
     def __init__(self) -> None:
-        self._parsed: dict[Hashable, tuple[Mapping[str, Any] | None, ReplicaLoad | None]] = {}
+        self._parsed: dict[Hashable, tuple[Mapping[str, Any] | None, Any, ReplicaLoad | None]
+                           ] = {}
 
     def load(self, replica_id: Hashable, stats: Mapping[str, Any] | None) -> ReplicaLoad | None:
+        stamp = stats.get("timestamp") if stats else None
         cached = self._parsed.get(replica_id)
-        if cached is not None and cached[0] is stats:
-            return cached[1]
+        if cached is not None and cached[0] is stats and cached[1] == stamp:
+            return cached[2]
         load = ReplicaLoad.try_from_dict(stats)
-        self._parsed[replica_id] = (stats, load)
+        self._parsed[replica_id] = (stats, stamp, load)
         return load
 
     def keep_only(self, live: Iterable[Hashable]) -> None:

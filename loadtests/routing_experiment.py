@@ -159,16 +159,20 @@ def arm_router(name: str, period_s: float) -> Any:  # noqa: ANN401
 
         # Ray's default router, with the same stats period so only the policy differs.
         return RequestRouterConfig(request_routing_stats_period_s=period_s)
-    affinity = name.endswith("+ prefix")
+    affinity = name.endswith("+ prefix") or name == NO_REPORTS_ARM
     return request_router_config(
-        RouterConfig(prefix_affinity=affinity, routing_stats_period_s=period_s)
+        RouterConfig(prefix_affinity=affinity, routing_stats_period_s=period_s,
+                     use_replica_cache_reports=name != NO_REPORTS_ARM)
     )
 
 
 # Ray's own prefix-cache router and our reimplementation of it (the tournament's
 # "ray-prefix", `autoscale.baselines_routers_cache`), side by side (see `ray_routers`).
 COMPARISON_ARMS = ("ray-prefix (ours)", "PrefixCacheAffinityRouter (Ray 2.60)")
-ARMS = ("pow2 (Ray default)", "KVAware", "KVAware + prefix", *COMPARISON_ARMS)
+# KVAware + prefix without the replicas' cache reports: the router as the Ray adapter ran
+# before the replicas sent their block hashes (appended: the other arms keep their indices).
+NO_REPORTS_ARM = "KVAware + prefix, no cache reports"
+ARMS = ("pow2 (Ray default)", "KVAware", "KVAware + prefix", *COMPARISON_ARMS, NO_REPORTS_ARM)
 
 
 async def run_arm(name: str, idx: int, specs: Sequence[RequestSpec], num_replicas: int,
@@ -325,7 +329,9 @@ def pooled(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    wl = WorkloadConfig(seed=args.seed, duration_s=args.duration)
+    wl = WorkloadConfig(seed=args.seed, duration_s=args.duration,
+                        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                        prefix_fraction=args.prefix_fraction)
     specs = make_workload(wl)
     engine_kwargs = {**ENGINE_KWARGS, "simulator": json.dumps({"time_scale": args.time_scale})}
     arms = [ARMS[int(i)] for i in args.arms.split(",")]
@@ -359,6 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stats-period", type=float, default=0.5)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--arms", default="0,1,2", help="indices into " + ", ".join(ARMS))
+    parser.add_argument("--num-prefixes", type=int, default=WorkloadConfig.num_prefixes,
+                        help="shared prompt prefixes (tenants' system prompts)")
+    parser.add_argument("--prefix-len", type=int, default=WorkloadConfig.prefix_len)
+    parser.add_argument("--prefix-fraction", type=float,
+                        default=WorkloadConfig.prefix_fraction)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per arm, in alternating order; latencies pooled")
     args = parser.parse_args(argv)

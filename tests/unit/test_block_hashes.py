@@ -158,3 +158,38 @@ def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
     before, after, chain = asyncio.run(run())
     assert before == [] and set(chain) <= set(after)
     assert len(chain) == 5
+
+
+def _brute_force_report(cached: dict) -> list[int]:
+    """Every cached key whose chain reaches the root, hashed from the root up."""
+    by_id = {hash(key): key for key in cached}
+    out = []
+    for key in cached:
+        chain = [key]
+        while chain[-1][0] != 0 and chain[-1][0] in by_id and len(chain) <= len(cached):
+            chain.append(by_id[chain[-1][0]])
+        if chain[-1][0] != 0:
+            continue  # an ancestor is gone: unreachable
+        stable = 0
+        for link in reversed(chain):
+            stable = stable_block_hash(stable, link[1])
+        out.append(stable)
+    return sorted(out)
+
+
+def test_the_memoised_report_matches_hashing_everything_again() -> None:
+    import random
+
+    rng = random.Random(5)
+    manager = BlockManager(24, BLOCK, enable_prefix_caching=True)
+    report = CachedBlockHashes()
+    heads = [[rng.randrange(1, 50) for _ in range(2 * BLOCK)] for _ in range(3)]
+    for step in range(300):
+        prompt = rng.choice(heads)[: rng.randrange(1, 2 * BLOCK + 1)]
+        prompt = prompt + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 4 * BLOCK))]
+        run_and_free(manager, f"r{step}", prompt)
+        cached = dict(manager.cached_blocks)
+        if step % 7 == 0 and cached:  # a chain loses a block in its middle, as if evicted
+            del cached[rng.choice(list(cached))]
+        assert sorted(report.report(cached)) == _brute_force_report(cached), step
+        assert len(report) <= len(cached)

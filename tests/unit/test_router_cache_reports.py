@@ -116,5 +116,8 @@ def test_routing_stats_are_parsed_once_per_update() -> None:
     assert parsed.load("a", stats) is first  # the same dict: not parsed again
     newer = dict(stats, timestamp=stats["timestamp"] + 1)
     assert parsed.load("a", newer) is not first
+    second = parsed.load("a", newer)
+    newer["timestamp"] += 1  # updated in place: the timestamp still tells
+    assert parsed.load("a", newer) is not second
     parsed.keep_only(["b"])
     assert parsed.load("a", newer) is not first and parsed.load("a", None) is None
