@@ -40,6 +40,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # that lets a max_model_len generation finish at this pace drops no stream.
 DRAIN_SECONDS_PER_TOKEN = 0.05
 SHUTDOWN_SLACK_S = 5.0  # Serve's timeout beyond the drain: the engine's own shutdown
+# How long record_routing_stats waits for the engine thread's prefix-cache report (taken
+# between steps) before sending the previous one: well inside Serve's routing-stats timeout.
+CACHE_REPORT_WAIT_S = 0.5
 
 
 def drain_timeout_for(max_model_len: int) -> float:
@@ -111,6 +114,7 @@ class LLMReplica:
         self._drain_timeout_s = drain_timeout_s
         self._num_requests = 0
         self._num_cancelled = 0  # streams closed before their end (disconnects)
+        self._cache_report: list[int] | None = None  # the last prefix-cache block hashes
         self._closed = False
         logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
 
@@ -156,11 +160,14 @@ class LLMReplica:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
         load = self._load()
         try:
-            hashes = await self.engine.cached_block_hashes()
+            self._cache_report = await asyncio.wait_for(self.engine.cached_block_hashes(),
+                                                        CACHE_REPORT_WAIT_S)
+        except asyncio.TimeoutError:  # a long step: the last report is one period older
+            logger.debug("prefix-cache report not ready in %.1f s", CACHE_REPORT_WAIT_S)
         except EngineDeadError:  # the load says it admits nothing; no cache to report
-            hashes = None
+            self._cache_report = None
         return load.with_cached_blocks(
-            hashes, self.engine.config.cache.block_size).to_dict()
+            self._cache_report, self.engine.config.cache.block_size).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Sampled by Serve for the autoscaling policy (KVAutoscalingPolicy)."""
