@@ -19,7 +19,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.replica.block_hashes import leading_run, prompt_block_hashes
+from iterserve.replica.block_hashes import ROOT, stable_block_hash
+from iterserve.replica.block_manager import block_tokens
 
 
 class ParsedLoads:
@@ -51,17 +52,26 @@ def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable
                          loads: Sequence[ReplicaLoad | None]) -> dict[Hashable, int] | None:
     """Per candidate that reported its prefix cache: how many leading prompt tokens it
     holds. Candidates without a report are left out (missing means 0); None when none
-    reported. The prompt's chain is hashed once per block size the replicas report."""
-    chains: dict[int, list[int]] = {}
-    hits: dict[Hashable, int] | None = None
+    reported. The prompt's chain is hashed once per block size the replicas report, and
+    only as deep as some replica holds it: a long prompt whose head nobody caches costs
+    one block hash, not one per block."""
+    reporters: dict[int, list[tuple[Hashable, frozenset[int]]]] = {}
     for replica_id, load in zip(candidates, loads, strict=True):
-        if load is None or load.cached_block_hashes is None:
-            continue
-        size = load.block_size
-        chain = chains.get(size)
-        if chain is None:
-            chain = chains[size] = prompt_block_hashes(token_ids, size)
-        if hits is None:
-            hits = {}
-        hits[replica_id] = leading_run(chain, load.cached_block_hashes) * size
+        if load is not None and load.cached_block_hashes is not None:
+            reporters.setdefault(load.block_size, []).append(
+                (replica_id, load.cached_block_hashes))
+    if not reporters:
+        return None
+    hits: dict[Hashable, int] = {}
+    for size, holders in reporters.items():
+        for replica_id, _ in holders:
+            hits[replica_id] = 0
+        parent = ROOT
+        for i in range((len(token_ids) - 1) // size):  # the last token is always computed
+            parent = stable_block_hash(parent, block_tokens(token_ids[i * size:(i + 1) * size]))
+            holders = [(rid, cached) for rid, cached in holders if parent in cached]
+            if not holders:
+                break
+            for replica_id, _ in holders:
+                hits[replica_id] = (i + 1) * size
     return hits

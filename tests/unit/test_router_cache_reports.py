@@ -121,3 +121,25 @@ def test_routing_stats_are_parsed_once_per_update() -> None:
     assert parsed.load("a", newer) is not second
     parsed.keep_only(["b"])
     assert parsed.load("a", newer) is not first and parsed.load("a", None) is None
+
+
+def test_the_lazy_chain_walk_answers_as_hashing_the_whole_prompt_does() -> None:
+    """cached_prefix_tokens hashes the prompt only as deep as some replica holds it; its
+    answers must equal the leading run of the whole prompt's chain in each report."""
+    import random
+
+    from iterserve.replica.block_hashes import leading_run
+
+    rng = random.Random(3)
+    for _ in range(200):
+        prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 12 * BLOCK))]
+        loads, expected = [], {}
+        for rid in range(4):
+            size = rng.choice((BLOCK, 8))
+            chain = prompt_block_hashes(prompt, size)
+            depth = rng.randrange(len(chain) + 1)
+            reported = chain[:depth] + [h for h in chain[depth + 1:] if rng.random() < 0.5]
+            loads.append(load(reported + [rng.getrandbits(64)], block_size=size))
+            expected[rid] = leading_run(chain, frozenset(reported)) * size
+        loads.append(None)  # a replica not yet polled: left out
+        assert cached_prefix_tokens(prompt, [0, 1, 2, 3, 4], loads) == expected
