@@ -14,18 +14,17 @@ where `tokens` is the block's `block_tokens` form (int64 bytes; a token id beyon
 falls back to the bytes of its tuple's repr, prefixed so the two forms cannot collide).
 A chain hash names the whole prefix up to that block, as the block manager's key does.
 
-`CachedBlockHashes` produces a block manager's report: the stable hashes of the blocks a
-lookup can reach (their whole parent chain cached), memoised per key so that a steady-state
-report hashes only the blocks cached since the last one; the block manager's hot paths
-(registering blocks, lookups) pay nothing for it.
+`BlockHashIndex` keeps a block manager's report up to date as blocks enter and leave its
+prefix cache (the manager calls `stored` / `evicted`, as vLLM's engine publishes KV cache
+events): each cached block is hashed once, when it is cached, and a report costs
+O(reported hashes), however large the cache. Without an index attached the block manager's
+hot paths pay one `is None` test per block.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from operator import itemgetter
+from collections.abc import Sequence
 
 from iterserve.replica.block_manager import BlockKey, BlockTokens, block_tokens
 
@@ -66,119 +65,60 @@ def leading_run(chain: Sequence[int], cached: frozenset[int] | set[int]) -> int:
     return len(chain)
 
 
-class CachedBlockHashes:
-    """The stable hashes of a prefix cache's reachable blocks, memoised between reports.
+class BlockHashIndex:
+    """The stable hashes of the blocks in one block manager's prefix cache, by chain depth.
 
-    `report(cached_blocks)` reads the block manager's `cached_blocks` (key -> block id) and
-    must run where that dict is not being changed (the engine thread). Blocks whose parent
-    chain is no longer cached are left out: a lookup walks from the first block and can
-    never reach them. The memo keeps only keys still cached.
-
-    Speed: a report is set arithmetic between the cache's keys and the memo's (C speed, and
-    the dicts' stored hashes are reused: hashing a key tuple again is a cache miss per
-    block), plus Python work per block cached or evicted since the last report. A block
-    names its parent by `hash(parent key)`: `_by_id` maps those ids back to keys.
-    Measured on this repo's 2-core CI machine at 25 000 cached blocks: the first report
-    ~100 ms (every block hashed once), then ~5 ms unchanged and ~9 ms with a few new blocks.
+    Attach with `BlockManager.cache_listener = index` before the manager caches anything;
+    it then calls `stored(key)` when a block joins the cache and `evicted(key)` when one
+    leaves, on the thread that changes the cache (the engine's), which is also where
+    `report()` must run. A block names its parent by `hash(parent key)`, so entries are
+    kept by that id: (stable hash, depth), depth being the block's index in its chain.
+    A block whose parent is not indexed (it was cached as a private copy whose twin has
+    been evicted) is left out, and so are its descendants. A block whose ancestor is
+    evicted later stays reported until it is evicted itself: a router walks a prompt's
+    chain from its first block, so such a block never counts (it only takes report room).
     """
 
     def __init__(self, limit: int = MAX_REPORTED_BLOCK_HASHES) -> None:
         self.limit = limit
-        # key -> (hash(key), stable hash, block index in its chain)
-        self._memo: dict[BlockKey, tuple[int, int, int]] = {}
-        self._by_id: dict[int, BlockKey] = {}  # hash(key) -> key, memo and unresolved keys
-        self._unresolved: dict[BlockKey, int] = {}  # cached keys whose chain misses a block
-        self._parent_refs: Counter[int] = Counter()  # parent id -> cached keys naming it
-        self._last: list[int] = []
-        self.num_hashed = 0  # blocks hashed so far (tests check the memo saves work)
+        self._entries: dict[int, tuple[int, int]] = {}  # hash(key) -> (stable hash, depth)
+        self._levels: list[dict[int, int]] = []  # per depth: hash(key) -> stable hash
+        self.num_hashed = 0  # blocks hashed so far (tests check each is hashed once)
 
     def __len__(self) -> int:
-        return len(self._memo) + len(self._unresolved)
+        return len(self._entries)
 
-    def report(self, cached_blocks: Mapping[BlockKey, int]) -> list[int]:
-        memo, unresolved = self._memo, self._unresolved
-        current = cached_blocks.keys()
-        removed = (memo.keys() - current) | (unresolved.keys() - current)
-        added = current - memo.keys() - unresolved.keys()
-        if not removed and not added:
-            return list(self._last)
-        for key in removed:
-            entry = memo.pop(key, None)
-            block_id = entry[0] if entry is not None else unresolved.pop(key)
-            if self._by_id.get(block_id) == key:
-                del self._by_id[block_id]
-            self._forget_parent(key[0])
-        for key in added:
-            block_id = hash(key)
-            self._by_id[block_id] = key
-            unresolved[key] = block_id
-            self._parent_refs[key[0]] += 1
-        if added:  # a new block may also complete the chain of an older unresolved one
-            broken: set[BlockKey] = set()
-            for key in list(unresolved):
-                if key in unresolved and key not in broken:
-                    self._resolve(key, broken)
-        missing = self._parent_refs.keys() - self._by_id.keys()
-        missing.discard(ROOT)
-        # a block gone from the middle of a chain: only a walk from the root tells which
-        # hashed blocks a lookup still reaches (rare: blocks are freed tail first)
-        entries = self._reachable() if missing else list(memo.values())
-        if len(entries) > self.limit:
-            entries = self._shallowest(entries)
-        self._last = list(map(itemgetter(1), entries))
-        return list(self._last)
+    def stored(self, key: BlockKey) -> None:
+        parent_id, tokens = key
+        if parent_id == ROOT:
+            parent_stable, depth = ROOT, 0
+        else:
+            parent = self._entries.get(parent_id)
+            if parent is None:
+                return  # its parent is not indexed: no lookup can reach it through us
+            parent_stable, depth = parent[0], parent[1] + 1
+        stable = stable_block_hash(parent_stable, tokens)
+        self.num_hashed += 1
+        block_id = hash(key)
+        self._entries[block_id] = (stable, depth)
+        if depth == len(self._levels):
+            self._levels.append({})
+        self._levels[depth][block_id] = stable
 
-    def _forget_parent(self, parent: int) -> None:
-        refs = self._parent_refs
-        refs[parent] -= 1
-        if refs[parent] <= 0:
-            del refs[parent]
+    def evicted(self, key: BlockKey) -> None:
+        block_id = hash(key)
+        entry = self._entries.pop(block_id, None)
+        if entry is not None:
+            del self._levels[entry[1]][block_id]
 
-    def _resolve(self, key: BlockKey, broken: set[BlockKey]) -> None:
-        """Memoise the stable hash of `key` and of its unresolved ancestors, if its chain
-        reaches the root or a hashed block; else (an ancestor evicted) mark them broken
-        for this report."""
-        memo, unresolved, by_id = self._memo, self._unresolved, self._by_id
-        chain = [key]
-        parent_stable, depth = ROOT, -1
-        while (parent := chain[-1][0]) != ROOT:
-            parent_key = by_id.get(parent)
-            if (parent_key is None or parent_key in broken
-                    or len(chain) > len(by_id)):  # evicted, or a hash cycle
-                broken.update(chain)
-                return
-            entry = memo.get(parent_key)
-            if entry is not None:
-                _, parent_stable, depth = entry
+    def report(self) -> list[int]:
+        """The stable hashes of the cached blocks; over `limit`, the shallowest whole levels
+        that fit (a prefix's head serves more prompts than its tail)."""
+        if len(self._entries) <= self.limit:
+            return [stable for stable, _ in self._entries.values()]
+        reported: list[int] = []
+        for level in self._levels:
+            if len(reported) + len(level) > self.limit:
                 break
-            chain.append(parent_key)
-        for link in reversed(chain):
-            depth += 1
-            parent_stable = stable_block_hash(parent_stable, link[1])
-            memo[link] = (unresolved.pop(link), parent_stable, depth)
-            self.num_hashed += 1
-
-    def _reachable(self) -> list[tuple[int, int, int]]:
-        """The memo entries whose whole chain is cached: a walk from the root."""
-        children: dict[int, list[tuple[int, int, int]]] = {}
-        for key, entry in self._memo.items():
-            children.setdefault(key[0], []).append(entry)
-        found: list[tuple[int, int, int]] = []
-        frontier = [ROOT]
-        while frontier:
-            for entry in children.pop(frontier.pop(), ()):  # popped: a hash cycle ends
-                found.append(entry)
-                frontier.append(entry[0])
-        return found
-
-    def _shallowest(self, entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        """The entries of the shallowest whole levels (block index in the chain) that fit
-        the limit: a prefix's head serves more prompts than its tail."""
-        per_depth = Counter(map(itemgetter(2), entries))
-        total, cutoff = 0, -1
-        for depth in sorted(per_depth):
-            total += per_depth[depth]
-            if total > self.limit:
-                break
-            cutoff = depth
-        return [entry for entry in entries if entry[2] <= cutoff]
+            reported.extend(level.values())
+        return reported

@@ -13,6 +13,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from iterserve.replica.request import Request
 
@@ -33,6 +34,11 @@ def block_tokens(tokens: Sequence[int]) -> BlockTokens:
         return array("q", tokens).tobytes()
     except (OverflowError, TypeError):
         return tuple(tokens)
+
+
+class PrefixCacheListener(Protocol):
+    def stored(self, key: BlockKey) -> None: ...
+    def evicted(self, key: BlockKey) -> None: ...
 
 
 @dataclass(slots=True)
@@ -61,6 +67,9 @@ class BlockManager:
         self.num_registered: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there
+        # Told of every key that joins or leaves cached_blocks (`stored` / `evicted`): the
+        # replica's index of stable block hashes for routers (replica/block_hashes.py).
+        self.cache_listener: PrefixCacheListener | None = None
 
     # ----------------------------------------------------------------------------- sizes
     @property
@@ -125,7 +134,7 @@ class BlockManager:
             packed: BlockTokens | None = array("q", tokens).tobytes()
         except (OverflowError, TypeError):
             packed = None  # some block's tokens do not fit: each block converts its own
-        cached, blocks = self.cached_blocks, self.blocks
+        cached, blocks, listener = self.cached_blocks, self.blocks, self.cache_listener
         offset, width = 0, 8 * block_size
         for i in range(start, end):
             if packed is not None:
@@ -138,6 +147,8 @@ class BlockManager:
             # at once); the first one stays the cache entry and this one stays private.
             if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
                 block.key = key
+                if listener is not None:
+                    listener.stored(key)
             parent = hash(key)
         self.num_registered[request.request_id] = (end, parent)
 
@@ -159,6 +170,8 @@ class BlockManager:
         if block.key is None and self.cached_blocks.setdefault(key, block.block_id) \
                 == block.block_id:
             block.key = key
+            if self.cache_listener is not None:
+                self.cache_listener.stored(key)
         self.num_registered[rid] = (end, hash(key))
         return True
 
@@ -187,6 +200,8 @@ class BlockManager:
             block = blocks[table[first]]
             if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
                 block.key = key
+                if self.cache_listener is not None:
+                    self.cache_listener.stored(key)
             registered[rid] = (end, hash(key))
         return len(requests)
 
@@ -313,6 +328,8 @@ class BlockManager:
             block = blocks[block_id]
             if block.key is not None:  # its cached contents are about to be overwritten
                 del cached[block.key]
+                if self.cache_listener is not None:
+                    self.cache_listener.evicted(block.key)
                 block.key = None
             block.ref_count = 1  # it was free: no table held it
             taken.append(block_id)
@@ -325,6 +342,8 @@ class BlockManager:
         if not as_hit and block.key is not None:
             # Reused for new tokens: its cached contents are about to be overwritten.
             del self.cached_blocks[block.key]
+            if self.cache_listener is not None:
+                self.cache_listener.evicted(block.key)
             block.key = None
         block.ref_count += 1
         return block_id

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from iterserve.replica.block_hashes import CachedBlockHashes
+from iterserve.replica.block_hashes import BlockHashIndex
 from iterserve.replica.outputs import SchedulerOutput
 from iterserve.replica.request import Request
 from iterserve.replica.stats import (
@@ -49,14 +49,18 @@ class EngineStatsReporting:
         self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
         self._last_step_tokens = 0
-        self._block_hashes = CachedBlockHashes()
+        # Kept up to date by the block manager as blocks are cached and evicted, so a
+        # router's report costs O(hashes reported), not a pass over the whole cache.
+        self._block_hashes = BlockHashIndex()
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.cache_listener = self._block_hashes
 
     def cached_block_hashes(self) -> list[int] | None:
-        """The stable hashes (`block_hashes`) of the blocks the prefix cache can hit now,
-        or None when prefix caching is off. Call on the engine's thread, between steps."""
+        """The stable hashes (`block_hashes`) of the blocks in the prefix cache now, or
+        None when prefix caching is off. Call on the engine's thread, between steps."""
         if not self.block_manager.enable_prefix_caching:
             return None
-        return self._block_hashes.report(self.block_manager.cached_blocks)
+        return self._block_hashes.report()
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)

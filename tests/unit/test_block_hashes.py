@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from iterserve.replica.block_hashes import (
-    CachedBlockHashes,
+    BlockHashIndex,
     leading_run,
     prompt_block_hashes,
     stable_block_hash,
@@ -27,18 +27,19 @@ PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks a lookup could hit
 # Run in a fresh interpreter: a block manager's report for PROMPT, and PROMPT's chain.
 _CHILD = """
 import json
-from iterserve.replica.block_hashes import CachedBlockHashes, prompt_block_hashes
+from iterserve.replica.block_hashes import BlockHashIndex, prompt_block_hashes
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
 manager = BlockManager(8, 4, enable_prefix_caching=True)
+index = manager.cache_listener = BlockHashIndex()
 request = Request("a", list(range(1, 14)), SamplingParams(max_tokens=1), 0.0)
 manager.allocate(request, 13)
 request.num_computed_tokens = 13
 manager.mark_computed(request)
 manager.free(request)
 print(json.dumps({"chain": prompt_block_hashes(list(range(1, 14)), 4),
-                  "report": sorted(CachedBlockHashes().report(manager.cached_blocks)),
+                  "report": sorted(index.report()),
                   "salted": hash(b"salted")}))
 """
 
@@ -82,59 +83,67 @@ def test_the_chain_names_the_whole_prefix() -> None:
         prompt_block_hashes(PROMPT, 0)
 
 
+def indexed(num_blocks: int, limit: int = 32768) -> tuple[BlockManager, BlockHashIndex]:
+    manager = BlockManager(num_blocks, BLOCK, enable_prefix_caching=True)
+    index = manager.cache_listener = BlockHashIndex(limit)
+    return manager, index
+
+
 def test_report_after_a_request_ran_and_after_eviction() -> None:
-    manager = BlockManager(8, BLOCK, enable_prefix_caching=True)
-    report = CachedBlockHashes()
-    assert report.report(manager.cached_blocks) == []
+    manager, index = indexed(8)
+    assert index.report() == []
     run_and_free(manager, "a", PROMPT)  # 13 tokens: 4 blocks held, 3 full ones cached
     chain = prompt_block_hashes(PROMPT, BLOCK)
-    assert sorted(report.report(manager.cached_blocks)) == sorted(chain)
-    assert report.num_hashed == 3
-    # a steady-state report hashes nothing new
-    assert sorted(report.report(manager.cached_blocks)) == sorted(chain)
-    assert report.num_hashed == 3
+    assert sorted(index.report()) == sorted(chain)
+    assert index.num_hashed == 3
+    run_and_free(manager, "again", PROMPT)  # all hits: nothing new cached, nothing hashed
+    assert sorted(index.report()) == sorted(chain) and index.num_hashed == 3
     # a request needing 6 blocks takes the 5 uncached ones and evicts one cached block: the
     # tail of the chain (freed first), so the head two are still reported
     big = Request("b", [500] * 21, SamplingParams(max_tokens=1), 0.0)
     manager.allocate(big, 21)
-    assert sorted(report.report(manager.cached_blocks)) == sorted(chain[:2])
-    assert len(report) == 2  # the memo keeps only keys still cached
+    assert sorted(index.report()) == sorted(chain[:2]) and len(index) == 2
     manager.free(big)  # never computed: nothing of it was cached
     everything = Request("c", [600] * 32, SamplingParams(max_tokens=1), 0.0)
     manager.allocate(everything, 32)  # all 8 blocks: the whole cache is evicted
-    assert report.report(manager.cached_blocks) == [] and len(report) == 0
+    assert index.report() == [] and len(index) == 0
 
 
-def test_blocks_whose_chain_lost_a_block_are_not_reported() -> None:
-    manager = BlockManager(8, BLOCK, enable_prefix_caching=True)
-    run_and_free(manager, "a", PROMPT)
+def test_a_block_whose_parent_is_not_indexed_is_left_out() -> None:
+    manager, index = indexed(8)
     chain = prompt_block_hashes(PROMPT, BLOCK)
-    head = next(key for key in manager.cached_blocks if key[0] == 0)
-    report = CachedBlockHashes()
-    without_head = {k: v for k, v in manager.cached_blocks.items() if k != head}
-    assert report.report(without_head) == []  # unreachable: a lookup starts at the head
-    assert sorted(report.report(manager.cached_blocks)) == sorted(chain)  # back again
-    hashed = report.num_hashed
-    assert report.report(without_head) == [] and report.num_hashed == hashed
+    keys = []
+    parent = 0
+    for i in range(3):
+        keys.append((parent, block_tokens(PROMPT[i * BLOCK:(i + 1) * BLOCK])))
+        parent = hash(keys[-1])
+    index.stored(keys[1])  # its parent was never stored: unreachable, and so its child
+    index.stored(keys[2])
+    assert index.report() == [] and index.num_hashed == 0
+    for key in keys:
+        index.stored(key)
+    assert sorted(index.report()) == sorted(chain)
+    index.evicted(keys[0])  # the head leaves: the others stay until evicted themselves
+    assert sorted(index.report()) == sorted(chain[1:])
+    assert leading_run(chain, frozenset(index.report())) == 0  # and no prompt counts them
 
 
 def test_a_report_over_the_limit_keeps_the_shallowest_blocks() -> None:
-    manager = BlockManager(16, BLOCK, enable_prefix_caching=True)
+    manager, index = indexed(16, limit=4)
     run_and_free(manager, "a", PROMPT)
     other = [50 + t for t in PROMPT]
     run_and_free(manager, "b", other)
-    kept = CachedBlockHashes(limit=4).report(manager.cached_blocks)
     heads = prompt_block_hashes(PROMPT, BLOCK)[:2] + prompt_block_hashes(other, BLOCK)[:2]
-    assert sorted(kept) == sorted(heads)
+    assert sorted(index.report()) == sorted(heads)
 
 
 def test_a_shared_prefix_is_hit_and_reported_once() -> None:
-    manager = BlockManager(16, BLOCK, enable_prefix_caching=True)
+    manager, index = indexed(16)
     run_and_free(manager, "a", PROMPT)
     longer = PROMPT[:12] + [90] * 9  # shares 3 blocks, adds 2 more full ones
     run_and_free(manager, "b", longer)
-    reported = CachedBlockHashes().report(manager.cached_blocks)
-    assert sorted(reported) == sorted(prompt_block_hashes(longer, BLOCK))
+    assert sorted(index.report()) == sorted(prompt_block_hashes(longer, BLOCK))
+    assert index.num_hashed == 5
 
 
 def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
@@ -160,10 +169,10 @@ def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
     assert len(chain) == 5
 
 
-def _brute_force_report(cached: dict) -> list[int]:
+def _reachable_hashes(cached: dict) -> set[int]:
     """Every cached key whose chain reaches the root, hashed from the root up."""
     by_id = {hash(key): key for key in cached}
-    out = []
+    out = set()
     for key in cached:
         chain = [key]
         while chain[-1][0] != 0 and chain[-1][0] in by_id and len(chain) <= len(cached):
@@ -173,23 +182,36 @@ def _brute_force_report(cached: dict) -> list[int]:
         stable = 0
         for link in reversed(chain):
             stable = stable_block_hash(stable, link[1])
-        out.append(stable)
-    return sorted(out)
+        out.add(stable)
+    return out
 
 
-def test_the_memoised_report_matches_hashing_everything_again() -> None:
+def test_the_index_answers_as_the_block_managers_own_lookups_do() -> None:
+    """Requests with shared heads run through a cache small enough to evict all the time:
+    after each, the index reports every block a lookup can reach, each block is hashed
+    once, and for probe prompts a router's answer from the report (the leading run of the
+    prompt's chain) equals the block manager's own lookup."""
     import random
 
     rng = random.Random(5)
-    manager = BlockManager(24, BLOCK, enable_prefix_caching=True)
-    report = CachedBlockHashes()
+    manager, index = indexed(24)
     heads = [[rng.randrange(1, 50) for _ in range(2 * BLOCK)] for _ in range(3)]
+
+    def prompt() -> list[int]:
+        head = rng.choice(heads)[: rng.randrange(1, 2 * BLOCK + 1)]
+        return head + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 4 * BLOCK))]
+
+    num_cached = 0  # keys that joined the cache: each is hashed once, when it joins
     for step in range(300):
-        prompt = rng.choice(heads)[: rng.randrange(1, 2 * BLOCK + 1)]
-        prompt = prompt + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 4 * BLOCK))]
-        run_and_free(manager, f"r{step}", prompt)
-        cached = dict(manager.cached_blocks)
-        if step % 7 == 0 and cached:  # a chain loses a block in its middle, as if evicted
-            del cached[rng.choice(list(cached))]
-        assert sorted(report.report(cached)) == _brute_force_report(cached), step
-        assert len(report) <= len(cached)
+        before = set(manager.cached_blocks)
+        run_and_free(manager, f"r{step}", prompt())
+        num_cached += len(set(manager.cached_blocks) - before)
+        assert index.num_hashed == num_cached, step
+        reported = index.report()
+        assert len(reported) == len(set(reported)) == len(index) <= len(manager.cached_blocks)
+        assert _reachable_hashes(manager.cached_blocks) <= set(reported), step
+        for probe_tokens in (prompt(), prompt()):
+            probe = Request("probe", probe_tokens, SamplingParams(max_tokens=1), 0.0)
+            hits = len(manager.find_cached_prefix(probe))
+            chain = prompt_block_hashes(probe_tokens, BLOCK)
+            assert leading_run(chain, frozenset(reported)) == hits, step
