@@ -1,6 +1,6 @@
 """The paged KV cache's bookkeeping: which physical blocks each request owns.
 
-Every block is either free (reference count 0, in `free_block_ids`) or used (reference count
+Every block is either free (reference count 0, in `free_pool`) or used (reference count
 >= 1, held by one or more block tables). Free blocks that still hold a full, hashed block of
 tokens stay findable by the prefix cache until they are reused, least recently freed first.
 Invariant, checked by `check_invariants` in tests after every step:
@@ -10,11 +10,10 @@ Invariant, checked by `check_invariants` in tests after every step:
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.request import Request
 
 BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its key holds them: block_tokens
@@ -41,13 +40,6 @@ class PrefixCacheListener(Protocol):
     def evicted(self, key: BlockKey) -> None: ...
 
 
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    key: BlockKey | None = None  # set once the block is full and registered in the prefix cache
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -58,9 +50,11 @@ class BlockManager:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Insertion order is reuse order: uncached blocks at the front, cached ones LRU behind.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Per block id: how many block tables hold it, and its prefix-cache key (set once the
+        # block is full and registered in the cache).
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.free_pool = FreeBlockPool(num_blocks)  # reuse order: uncached first, then LRU
         self.cached_blocks: dict[BlockKey, int] = {}
         self.block_tables: dict[str, BlockTable] = {}
         # Per request: how many leading blocks are registered, and the hash chain so far.
@@ -74,11 +68,11 @@ class BlockManager:
     # ----------------------------------------------------------------------------- sizes
     @property
     def num_total_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.ref_counts)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return self.free_pool.num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -134,7 +128,7 @@ class BlockManager:
             packed: BlockTokens | None = array("q", tokens).tobytes()
         except (OverflowError, TypeError):
             packed = None  # some block's tokens do not fit: each block converts its own
-        cached, blocks, listener = self.cached_blocks, self.blocks, self.cache_listener
+        cached, keys, listener = self.cached_blocks, self.block_keys, self.cache_listener
         offset, width = 0, 8 * block_size
         for i in range(start, end):
             if packed is not None:
@@ -142,11 +136,11 @@ class BlockManager:
             else:
                 key = (parent, block_tokens(tokens[offset : offset + block_size]))
             offset += block_size
-            block = blocks[table[i]]
+            block_id = table[i]
             # An identical block may already be cached (two requests computed the same prefix
             # at once); the first one stays the cache entry and this one stays private.
-            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
-                block.key = key
+            if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
+                keys[block_id] = key
                 if listener is not None:
                     listener.stored(key)
             parent = hash(key)
@@ -166,10 +160,10 @@ class BlockManager:
         if end != start + 1:
             return False
         key = (parent, tokens if isinstance(tokens, bytes) else block_tokens(tokens))
-        block = self.blocks[table[start]]
-        if block.key is None and self.cached_blocks.setdefault(key, block.block_id) \
-                == block.block_id:
-            block.key = key
+        block_id = table[start]
+        if self.block_keys[block_id] is None \
+                and self.cached_blocks.setdefault(key, block_id) == block_id:
+            self.block_keys[block_id] = key
             if self.cache_listener is not None:
                 self.cache_listener.stored(key)
         self.num_registered[rid] = (end, hash(key))
@@ -182,7 +176,7 @@ class BlockManager:
         `block_tokens` form), stopping at the first it declines: returns that i
         (len(requests): none declined)."""
         tables, registered = self.block_tables, self.num_registered
-        cached, blocks, block_size = self.cached_blocks, self.blocks, self.block_size
+        cached, keys, block_size = self.cached_blocks, self.block_keys, self.block_size
         if not self.enable_prefix_caching:
             return len(requests)
         for i in range(start, len(requests)):
@@ -197,9 +191,9 @@ class BlockManager:
                 return i
             run = runs[i]
             key = (parent, run if isinstance(run, bytes) else block_tokens(run))
-            block = blocks[table[first]]
-            if block.key is None and cached.setdefault(key, block.block_id) == block.block_id:
-                block.key = key
+            block_id = table[first]
+            if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
+                keys[block_id] = key
                 if self.cache_listener is not None:
                     self.cache_listener.stored(key)
             registered[rid] = (end, hash(key))
@@ -241,13 +235,14 @@ class BlockManager:
         if not hits:  # the per-step fast path of every running request
             table = self.block_tables.get(request.request_id, ())
             total = request.num_computed_tokens + num_new_tokens
-            return -(-total // self.block_size) - len(table) <= len(self.free_block_ids)
+            return -(-total // self.block_size) - len(table) <= self.free_pool.num_free
         return self.num_blocks_to_admit(request, num_new_tokens, hits) <= self.num_free_blocks
 
     def num_blocks_to_admit(self, request: Request, num_new_tokens: int, hits: list[int]) -> int:
         """Free blocks that admitting the request would take: new blocks for num_new_tokens
         after its prefix hits, plus the hit blocks that sit in the free pool."""
-        hits_in_free_pool = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        refs = self.ref_counts
+        hits_in_free_pool = sum(1 for b in hits if refs[b] == 0)
         return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
 
     def try_allocate(self, request: Request, num_new_tokens: int) -> BlockTable | None:
@@ -259,7 +254,7 @@ class BlockManager:
         if table is not None and total <= len(table) * self.block_size:
             return table
         needed = -(-total // self.block_size) - (len(table) if table is not None else 0)
-        if needed > len(self.free_block_ids):
+        if needed > self.free_pool.num_free:
             return None
         if table is None:
             table = self.block_tables[request.request_id] = array("i")
@@ -281,11 +276,11 @@ class BlockManager:
             if table:
                 raise RuntimeError("prefix hits are only taken at first admission")
             for block_id in hits:
-                table.append(self._take(block_id, as_hit=True))
+                table.append(self._take_hit(block_id))
             request.num_computed_tokens = len(hits) * self.block_size
-            self.num_registered[request.request_id] = (len(hits), hash(self.blocks[hits[-1]].key))
+            self.num_registered[request.request_id] = (len(hits), hash(self.block_keys[hits[-1]]))
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
-        if needed > len(self.free_block_ids):
+        if needed > self.free_pool.num_free:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         if needed > 0:
             table.extend(self._take_free(needed))
@@ -295,7 +290,7 @@ class BlockManager:
         does for a running request whose n new tokens pass its last block by exactly one
         (a simulator's decodes crossing a block boundary in the same step). Raises
         RuntimeError, taking nothing, if fewer blocks are free."""
-        if len(request_ids) > len(self.free_block_ids):
+        if len(request_ids) > self.free_pool.num_free:
             raise RuntimeError("out of KV blocks for the requests' next blocks")
         tables = self.block_tables
         for rid, block_id in zip(request_ids, self._take_free(len(request_ids)), strict=True):
@@ -310,43 +305,41 @@ class BlockManager:
         table = self.block_tables.pop(request.request_id, ())
         self.num_registered.pop(request.request_id, None)
         # Free the tail first so that a chain's later blocks are evicted before its head.
+        refs, keys = self.ref_counts, self.block_keys
+        uncached: list[int] = []
+        cached: list[int] = []
         for block_id in reversed(table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.key is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            left = refs[block_id] - 1
+            refs[block_id] = left
+            if left == 0:
+                (uncached if keys[block_id] is None else cached).append(block_id)
+        self.free_pool.release(uncached, cached)
 
     def _take_free(self, count: int) -> list[int]:
-        """The first `count` free blocks in reuse order, taken for new tokens (what `_take`
-        does to each, with the front of the free list popped rather than looked up)."""
-        free, blocks, cached = self.free_block_ids, self.blocks, self.cached_blocks
-        taken = []
-        for _ in range(count):
-            block_id, _ = free.popitem(last=False)
-            block = blocks[block_id]
-            if block.key is not None:  # its cached contents are about to be overwritten
-                del cached[block.key]
-                if self.cache_listener is not None:
-                    self.cache_listener.evicted(block.key)
-                block.key = None
-            block.ref_count = 1  # it was free: no table held it
-            taken.append(block_id)
+        """The first `count` free blocks in reuse order, taken for new tokens: a block that
+        still holds cached tokens leaves the prefix cache (its contents are overwritten)."""
+        taken = self.free_pool.take(count)
+        refs, keys, cached = self.ref_counts, self.block_keys, self.cached_blocks
+        listener = self.cache_listener
+        for block_id in taken:
+            key = keys[block_id]
+            if key is not None:
+                del cached[key]
+                if listener is not None:
+                    listener.evicted(key)
+                keys[block_id] = None
+            refs[block_id] = 1  # it was free: no table held it
         return taken
 
-    def _take(self, block_id: int, as_hit: bool) -> int:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_block_ids[block_id]
-        if not as_hit and block.key is not None:
-            # Reused for new tokens: its cached contents are about to be overwritten.
-            del self.cached_blocks[block.key]
-            if self.cache_listener is not None:
-                self.cache_listener.evicted(block.key)
-            block.key = None
-        block.ref_count += 1
+    def _take_hit(self, block_id: int) -> int:
+        """A cached block, shared with the request that found it in the prefix cache."""
+        if self.ref_counts[block_id] == 0:
+            self.free_pool.remove(block_id)
+        self.ref_counts[block_id] += 1
         return block_id
+
+    def free_blocks_in_reuse_order(self) -> list[int]:
+        return self.free_pool.in_reuse_order()
 
     # ------------------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -355,12 +348,13 @@ class BlockManager:
         for table in self.block_tables.values():
             for block_id in table:
                 refs[block_id] += 1
-        for block in self.blocks:
-            in_free = block.block_id in self.free_block_ids
-            if block.ref_count != refs[block.block_id]:
-                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} "
-                                   f"but held by {refs[block.block_id]} tables")
-            if in_free != (block.ref_count == 0):
-                raise RuntimeError(f"block {block.block_id}: free={in_free}, refs={block.ref_count}")
+        self.free_pool.check()
+        for block_id, ref_count in enumerate(self.ref_counts):
+            in_free = self.free_pool.is_free(block_id)
+            if ref_count != refs[block_id]:
+                raise RuntimeError(f"block {block_id}: ref_count {ref_count} "
+                                   f"but held by {refs[block_id]} tables")
+            if in_free != (ref_count == 0):
+                raise RuntimeError(f"block {block_id}: free={in_free}, refs={ref_count}")
         if self.num_free_blocks + self.num_used_blocks != self.num_total_blocks:
             raise RuntimeError("free + used != total")

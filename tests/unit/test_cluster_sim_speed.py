@@ -102,7 +102,7 @@ def test_register_next_block_equals_mark_computed() -> None:
                 bm.mark_computed(request)
     assert managers[0].cached_blocks == managers[1].cached_blocks
     assert managers[0].num_registered == managers[1].num_registered
-    assert [b.key for b in managers[0].blocks] == [b.key for b in managers[1].blocks]
+    assert managers[0].block_keys == managers[1].block_keys
     # More than one block behind: it declines, and mark_computed does the work.
     bm = managers[1]
     request = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
@@ -154,8 +154,8 @@ def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
 
 
 def _state(bm: BlockManager) -> tuple:
-    return (bm.block_tables, bm.num_registered, bm.cached_blocks, list(bm.free_block_ids),
-            [(b.ref_count, b.key) for b in bm.blocks])
+    return (bm.block_tables, bm.num_registered, bm.cached_blocks, bm.free_blocks_in_reuse_order(),
+            bm.ref_counts, bm.block_keys)
 
 
 def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
