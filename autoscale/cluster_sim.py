@@ -57,6 +57,7 @@ from iterserve.autoscale.cluster_sim_state import (
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
     ItlCounter,
+    PackedPrefixes,
     RequestRecord,
     SimRequest,
     SimResult,
@@ -102,6 +103,7 @@ class ClusterSim:
         self._free: list[ReplicaSlot] | None = None  # running slots with room (None: stale)
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
+        self.packed_prefixes = PackedPrefixes()
         self.published: dict[str, ReplicaLoad] = {}
         self.itl = ItlCounter()
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
@@ -192,7 +194,8 @@ class ClusterSim:
             return  # cancelled while starting
         slot.state = RUNNING
         self._free = None
-        slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys)
+        slot.replica = SimReplica(slot.replica_id, self.config, self.now, self.prompt_keys,
+                                  self.packed_prefixes)
         if self.config.enable_prefix_caching:
             self.prefix_cache.add_replica(slot.replica_id, slot.replica.block_manager.cached_blocks)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)

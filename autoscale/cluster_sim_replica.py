@@ -27,7 +27,12 @@ from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
 from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
+from iterserve.autoscale.cluster_sim_types import (
+    ClusterSimConfig,
+    PackedPrefixes,
+    SimRequest,
+    SyntheticPrompt,
+)
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager, BlockTokens
 from iterserve.replica.config import SchedulerConfig
@@ -67,14 +72,16 @@ class VirtualClock:
 
 class SimReplica:
     def __init__(self, replica_id: str, config: ClusterSimConfig, now: float,
-                 prompt_keys: PromptBlockKeys | None = None) -> None:
-        """prompt_keys: shared by the replicas of one cluster (same block size)."""
+                 prompt_keys: PromptBlockKeys | None = None,
+                 packed_prefixes: PackedPrefixes | None = None) -> None:
+        """prompt_keys, packed_prefixes: shared by the replicas of one cluster."""
         self.replica_id = replica_id
         self.config = config
         self.cost: CostModel = config.sim.cost
         self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
                                           config.enable_prefix_caching)
         self.prompt_keys = prompt_keys or PromptBlockKeys(config.block_size)
+        self.packed_prefixes = packed_prefixes or PackedPrefixes()
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -142,7 +149,10 @@ class SimReplica:
         if params is None:  # frozen: one per max_tokens value (validation is not free)
             params = self._params[spec.max_tokens] = SamplingParams(
                 max_tokens=spec.max_tokens, ignore_eos=True)
-        request = Request(spec.request_id, list(spec.prompt_token_ids), params, now)
+        prompt = spec.prompt_token_ids
+        request = Request(spec.request_id, list(prompt), params, now)
+        if isinstance(prompt, SyntheticPrompt) and self.block_manager.enable_prefix_caching:
+            request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
         if self.step_end is None:

@@ -69,6 +69,12 @@ class SyntheticPrompt(Sequence):
         lo, hi = max(start, p) - p, max(stop, p) - p
         return head + tuple(range(self.unique_start + lo, self.unique_start + hi))
 
+    def packed(self, prefix_bytes: bytes) -> bytes:
+        """Its tokens as int64 bytes (`array("q", self).tobytes()`), given the prefix's:
+        the unique run through numpy, a tenth of the cost of converting a list of ints."""
+        return prefix_bytes + np.arange(self.unique_start, self.unique_start + self.num_unique,
+                                        dtype=np.int64).tobytes()
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SyntheticPrompt):
             return (self.prefix, self.unique_start, self.num_unique) == (
@@ -81,6 +87,26 @@ class SyntheticPrompt(Sequence):
     def __repr__(self) -> str:
         return (f"SyntheticPrompt(prefix={len(self.prefix)} tokens, "
                 f"unique {self.unique_start}+{self.num_unique})")
+
+
+class PackedPrefixes:
+    """The int64 bytes of the shared prefixes of SyntheticPrompts, packed once per cluster
+    (a tenant's context is shared by hundreds of requests). Keyed by the prefix tuple's
+    identity (held, so that the id is not reused); at most max_entries, oldest dropped."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._packed: dict[int, tuple[tuple[int, ...], bytes]] = {}
+
+    def prompt_bytes(self, prompt: SyntheticPrompt) -> bytes:
+        """`array("q", prompt).tobytes()`."""
+        entry = self._packed.get(id(prompt.prefix))
+        if entry is None:
+            if len(self._packed) >= self.max_entries:
+                del self._packed[next(iter(self._packed))]
+            entry = (prompt.prefix, np.array(prompt.prefix, dtype=np.int64).tobytes())
+            self._packed[id(prompt.prefix)] = entry
+        return prompt.packed(entry[1])
 
 
 @dataclass(frozen=True)

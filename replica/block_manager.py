@@ -123,13 +123,19 @@ class BlockManager:
         if end <= start:
             return
         block_size = self.block_size
-        tokens = self._token_range(request, start * block_size, end * block_size)
-        try:  # all the blocks' tokens in one conversion, then a slice each
-            packed: BlockTokens | None = array("q", tokens).tobytes()
-        except (OverflowError, TypeError):
-            packed = None  # some block's tokens do not fit: each block converts its own
+        packed: BlockTokens | None = request.prompt_token_bytes
+        if packed is not None and end * block_size <= len(request.prompt_token_ids):
+            tokens: Sequence[int] = ()
+            offset = start * block_size  # token offset into packed
+        else:
+            tokens = self._token_range(request, start * block_size, end * block_size)
+            offset = 0
+            try:  # all the blocks' tokens in one conversion, then a slice each
+                packed = array("q", tokens).tobytes()
+            except (OverflowError, TypeError):
+                packed = None  # some block's tokens do not fit: each block converts its own
         cached, keys, listener = self.cached_blocks, self.block_keys, self.cache_listener
-        offset, width = 0, 8 * block_size
+        width = 8 * block_size
         for i in range(start, end):
             if packed is not None:
                 key = (parent, packed[offset * 8 : offset * 8 + width])

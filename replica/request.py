@@ -75,6 +75,10 @@ class Request:
     # fire. The defaults send every token through the full check.
     output_length_limit: int = 0
     stopping_token_ids: frozenset[int] = frozenset()
+    # The prompt's tokens packed as int64 (`array("q", prompt).tobytes()`), where the caller
+    # has them for less than that conversion (the cluster simulator's synthetic prompts): the
+    # block manager then slices its prefix-cache keys from it. None: it converts the tokens.
+    prompt_token_bytes: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs and not self.prompt_logprobs:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
+from iterserve.autoscale.cluster_sim_types import PackedPrefixes, SyntheticPrompt
 from iterserve.autoscale.router_policy import Correction, InFlightTracker
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager
@@ -255,3 +257,32 @@ def test_itl_counter_equals_request_itl_and_count_gaps() -> None:
         count_gaps(bins, gaps)
         assert counter.add(times) == (longest, p99)
     assert counter.histogram() == dict(sorted(itl_histogram(bins).items()))
+
+
+def test_packed_synthetic_prompts_key_the_prefix_cache_as_converted_tokens_do() -> None:
+    """A simulated request's prompt bytes (numpy, shared prefix packed once) give the block
+    manager the keys it builds from the token list, chunk by chunk and past the prompt."""
+    rng = random.Random(3)
+    packer = PackedPrefixes(max_entries=2)
+    heads = [tuple(rng.randrange(16, 32000) for _ in range(n)) for n in (0, 5, 64, 300)]
+    managers = [BlockManager(400, 16, True), BlockManager(400, 16, True)]
+    for i in range(40):
+        prompt = SyntheticPrompt(rng.choice(heads), 100_000 + 1000 * i, rng.randint(0, 200))
+        if not len(prompt):
+            continue
+        packed = packer.prompt_bytes(prompt)
+        assert packed == array("q", list(prompt)).tobytes()
+        for bm, use_bytes in zip(managers, (False, True), strict=True):
+            request = Request(f"q{i}", list(prompt), SamplingParams(max_tokens=40), 0.0)
+            request.prompt_token_bytes = packed if use_bytes else None
+            bm.allocate(request, len(prompt) + 40)
+            chunk = rng.randint(1, 64)
+            while request.num_computed_tokens < len(prompt) + 40:  # prefill chunks, then decodes
+                step = min(chunk, len(prompt) + 40 - request.num_computed_tokens)
+                request.num_computed_tokens += step
+                while request.num_tokens < max(request.num_computed_tokens, len(prompt)):
+                    request.output_token_ids.append(7)
+                bm.mark_computed(request)
+            bm.free(request)
+    assert managers[0].cached_blocks == managers[1].cached_blocks
+    assert managers[0].block_keys == managers[1].block_keys
