@@ -150,9 +150,14 @@ class SimReplica:
             params = self._params[spec.max_tokens] = SamplingParams(
                 max_tokens=spec.max_tokens, ignore_eos=True)
         prompt = spec.prompt_token_ids
-        request = Request(spec.request_id, list(prompt), params, now)
-        if isinstance(prompt, SyntheticPrompt) and self.block_manager.enable_prefix_caching:
-            request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
+        if isinstance(prompt, SyntheticPrompt):
+            # It stands in for the list (see its docstring): a list would make ~1k int
+            # objects a request, whose churn scatters the heap that the caches' keys live in.
+            request = Request(spec.request_id, prompt, params, now)  # type: ignore[arg-type]
+            if self.block_manager.enable_prefix_caching:
+                request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
+        else:
+            request = Request(spec.request_id, list(prompt), params, now)
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
         if self.step_end is None:

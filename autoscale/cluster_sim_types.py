@@ -31,7 +31,10 @@ class SyntheticPrompt(Sequence):
     other prompt has (ids unique_start, unique_start + 1, ...; pick disjoint ranges).
 
     Hundreds of thousands of queued requests would otherwise hold their token lists for the
-    whole run. Iterating, slicing and len() are C-speed (itertools / range).
+    whole run. Iterating, slicing and len() are C-speed (itertools / range). A simulated
+    replica's `Request` holds it as its prompt_token_ids, in place of the list (the block
+    manager reads the prompt from `packed` bytes; see SimReplica.add), so it answers as that
+    list does: slices are lists, and `prompt + outputs` is a list.
     """
 
     __slots__ = ("prefix", "unique_start", "num_unique")
@@ -52,7 +55,7 @@ class SyntheticPrompt(Sequence):
 
     def __getitem__(self, index: int | slice) -> Any:  # noqa: ANN401
         if isinstance(index, slice):
-            return tuple(self)[index] if index.step not in (None, 1) or (
+            return list(self)[index] if index.step not in (None, 1) or (
                 index.start is not None and index.start < 0) else self._slice(index)
         n = len(self)
         if index < 0:
@@ -62,12 +65,18 @@ class SyntheticPrompt(Sequence):
         p = len(self.prefix)
         return self.prefix[index] if index < p else self.unique_start + index - p
 
-    def _slice(self, index: slice) -> tuple[int, ...]:
+    def _slice(self, index: slice) -> list[int]:
         start, stop, _ = index.indices(len(self))
         p = len(self.prefix)
-        head = self.prefix[start:min(stop, p)]
+        head = list(self.prefix[start:min(stop, p)])
         lo, hi = max(start, p) - p, max(stop, p) - p
-        return head + tuple(range(self.unique_start + lo, self.unique_start + hi))
+        head.extend(range(self.unique_start + lo, self.unique_start + hi))
+        return head
+
+    def __add__(self, other: Sequence[int]) -> list[int]:
+        out = list(self)
+        out.extend(other)
+        return out
 
     def packed(self, prefix_bytes: bytes) -> bytes:
         """Its tokens as int64 bytes (`array("q", self).tobytes()`), given the prefix's:

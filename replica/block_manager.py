@@ -102,12 +102,18 @@ class BlockManager:
         if (not self.enable_prefix_caching or request.num_computed_tokens > 0
                 or request.wants_prompt_logprobs):
             return []
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        size = self.block_size
+        max_blocks = (request.num_tokens - 1) // size
+        packed = request.prompt_token_bytes
+        if packed is None or max_blocks * size > request.num_prompt_tokens:
+            packed, tokens = None, request.all_token_ids
         hits: list[int] = []
         parent = 0
         for i in range(max_blocks):
-            key = (parent, block_tokens(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            if packed is not None:  # the same bytes block_tokens makes of the slice
+                key = (parent, packed[i * size * 8 : (i + 1) * size * 8])
+            else:
+                key = (parent, block_tokens(tokens[i * size : (i + 1) * size]))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
                 break

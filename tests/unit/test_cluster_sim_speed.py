@@ -266,16 +266,22 @@ def test_packed_synthetic_prompts_key_the_prefix_cache_as_converted_tokens_do() 
     packer = PackedPrefixes(max_entries=2)
     heads = [tuple(rng.randrange(16, 32000) for _ in range(n)) for n in (0, 5, 64, 300)]
     managers = [BlockManager(400, 16, True), BlockManager(400, 16, True)]
+    hit_blocks = 0
     for i in range(40):
         prompt = SyntheticPrompt(rng.choice(heads), 100_000 + 1000 * i, rng.randint(0, 200))
         if not len(prompt):
             continue
         packed = packer.prompt_bytes(prompt)
         assert packed == array("q", list(prompt)).tobytes()
+        found = []
         for bm, use_bytes in zip(managers, (False, True), strict=True):
-            request = Request(f"q{i}", list(prompt), SamplingParams(max_tokens=40), 0.0)
+            # the simulator's Request holds the SyntheticPrompt itself, with its bytes
+            tokens = prompt if use_bytes else list(prompt)
+            request = Request(f"q{i}", tokens, SamplingParams(max_tokens=40), 0.0)  # type: ignore[arg-type]
             request.prompt_token_bytes = packed if use_bytes else None
-            bm.allocate(request, len(prompt) + 40)
+            hits = bm.find_cached_prefix(request)
+            found.append(hits)
+            bm.allocate(request, len(prompt) - len(hits) * 16 + 40, hits)
             chunk = rng.randint(1, 64)
             while request.num_computed_tokens < len(prompt) + 40:  # prefill chunks, then decodes
                 step = min(chunk, len(prompt) + 40 - request.num_computed_tokens)
@@ -284,5 +290,8 @@ def test_packed_synthetic_prompts_key_the_prefix_cache_as_converted_tokens_do() 
                     request.output_token_ids.append(7)
                 bm.mark_computed(request)
             bm.free(request)
+        assert found[0] == found[1]
+        hit_blocks += len(found[0])
+    assert hit_blocks > 20  # the shared heads were found again
     assert managers[0].cached_blocks == managers[1].cached_blocks
     assert managers[0].block_keys == managers[1].block_keys

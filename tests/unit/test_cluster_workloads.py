@@ -57,13 +57,15 @@ def test_diurnal_spike_reaches_three_times_the_base() -> None:
     assert rate(420.0, 440.0) > 2.0 * rate(300.0, 380.0)
 
 
-def test_synthetic_prompt_behaves_like_a_tuple() -> None:
+def test_synthetic_prompt_behaves_like_the_token_list_it_stands_in_for() -> None:
     p = SyntheticPrompt((5, 6, 7), 100, 4)
-    t = (5, 6, 7, 100, 101, 102, 103)
-    assert len(p) == 7 and tuple(p) == t and list(p) == list(t)
-    for sl in (slice(0, 2), slice(2, 5), slice(4, None), slice(None, 7), slice(0, 100)):
-        assert p[sl] == t[sl]
+    t = [5, 6, 7, 100, 101, 102, 103]
+    assert len(p) == 7 and list(p) == t
+    for sl in (slice(0, 2), slice(2, 5), slice(4, None), slice(None, 7), slice(0, 100),
+               slice(-3, None), slice(0, 7, 2)):
+        assert p[sl] == t[sl] and isinstance(p[sl], list)
     assert p[3] == 100 and p[-1] == 103
+    assert p + [9, 9] == t + [9, 9]
 
 
 def test_trace_round_trip_and_example(tmp_path: Path) -> None:
