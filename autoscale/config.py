@@ -105,6 +105,17 @@ class RouterConfig(BaseModel):
         "multi-tenant, 3 ahead on multi-tenant; 1-2 lose sessions to the balance, 8-16 "
         "pile tenants up).",
     )
+    drain_inflight_prefill: bool = Field(
+        True,
+        description="Count the prefill queued at a replica as the prompt tokens it reported "
+        "queued (queued_prefill_tokens) plus those routed to it since its stats, drained "
+        "at its reported prefill_token_rate, instead of counting the routed ones in full "
+        "until its next stats: at low load most of them are prefilled long before then, "
+        "and charging them in full sends both ingress routers to whichever replica "
+        "reported last (tournament: 5 floor misses -> 3, p99 TTFT 0.975x geometric mean "
+        "over 60 cells, 0.64-1.07x). Replicas that report no rate are charged as with "
+        "this off.",
+    )
     use_replica_cache_reports: bool = Field(
         True,
         description="KVAwareRouter: read the prefix-cache block hashes the replicas report "

@@ -19,7 +19,10 @@ class Correction:
     requests: int  # requests sent that the replica's stats do not reflect yet
     prompt_tokens: int = 0  # their KV footprint (prompt + max_tokens), when known (0: unknown)
     committed_tokens: int = 0  # KV footprint of every request sent and not seen complete
-    prefill_tokens: int = 0  # uncached prompt tokens of the unseen requests (0: unknown)
+    prefill_tokens: float = 0  # uncached prompt tokens of the unseen requests (0: unknown)
+    # With drain_prefill: prefill_tokens is the prefill still queued at the replica at this
+    # time (the last unseen send), draining at its prefill_token_rate; None: not drained.
+    prefill_as_of: float | None = None
 
 
 class InFlightTracker(Generic[R]):
@@ -34,7 +37,10 @@ class InFlightTracker(Generic[R]):
     replica's stats, not every request in flight (thousands at 64+ replicas).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, drain_prefill: bool = False) -> None:
+        """drain_prefill: the unseen requests' prefill tokens form a queue that drains at
+        the replica's reported prefill_token_rate (RouterConfig.drain_inflight_prefill)."""
+        self.drain_prefill = drain_prefill
         self._by_request: dict[str, tuple[R, float, int, int]] = {}
         self._by_replica: dict[R, dict[str, tuple[float, int, int]]] = {}
         self._committed: dict[R, int] = {}
@@ -113,9 +119,25 @@ class InFlightTracker(Generic[R]):
                 if at <= stamp:
                     break
                 n, tokens, prefill = n + 1, tokens + t, prefill + p
-        correction = Correction(n, tokens, self._committed[rid], prefill)
+        as_of = None
+        if self.drain_prefill and n and load is not None and load.prefill_token_rate > 0:
+            prefill, as_of = self._queued_prefill(entries, load)
+        correction = Correction(n, tokens, self._committed[rid], prefill, as_of)
         self._given[rid] = (stamp, correction)
         return correction
+
+    @staticmethod
+    def _queued_prefill(entries: dict[str, tuple[float, int, int]], load: ReplicaLoad
+                        ) -> tuple[float, float]:
+        """(prefill tokens still queued, as of the last unseen send): a fluid queue that
+        holds the replica's reported queued prefill at its stats and drains at its
+        prefill_token_rate, each unseen send joining it in routing order."""
+        rate, last = load.prefill_token_rate, load.timestamp
+        queued = float(load.queued_prefill_tokens)
+        for at, p in sorted((at, p) for at, _, p in entries.values() if at > last):
+            queued = max(0.0, queued - rate * (at - last)) + p
+            last = at
+        return queued, last
 
     def __len__(self) -> int:
         return len(self._by_request)

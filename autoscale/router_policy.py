@@ -23,7 +23,9 @@ L.timestamp and not yet seen complete):
                   0 otherwise          ("would this request push the replica over the line?")
     prefill     = (U + P - H) / prefill_tokens_per_waiting     (score_prefill_work)
     U           = uncached prompt tokens of the requests this router sent r that r's stats
-                  do not reflect yet (queued ahead of this one); P = this prompt's tokens;
+                  do not reflect yet (queued ahead of this one; with drain_inflight_prefill,
+                  r's reported queued prefill plus those, less what r's prefill_token_rate
+                  computed since, `queued_prefill`); P = this prompt's tokens;
                   H = how many leading tokens of it r holds in its prefix cache (the
                   replica's own answer, `cached_tokens`; 0 when unknown)
     sent        = w * (W_r - min over candidates W) / prefill_tokens_per_waiting
@@ -152,6 +154,32 @@ def effective_load(
     return eff_waiting, eff_kv, hot, stale
 
 
+def prefill_queue(correction: Correction, load: ReplicaLoad | None, config: RouterConfig
+                  ) -> tuple[float, float | None]:
+    """(U, as_of): the prefill tokens queued at the replica as this router knows them, and
+    the time they are counted at (None: not drained, U counts in full until new stats).
+    With drain_inflight_prefill and a replica that reports its prefill_token_rate: its
+    reported queue at its stats, plus the unseen sends, drained between them (the
+    tracker's `Correction.prefill_as_of`; where a correction was not drained, its sends
+    are counted as if made at the stats' time)."""
+    if correction.prefill_as_of is not None:
+        return correction.prefill_tokens, correction.prefill_as_of
+    if config.drain_inflight_prefill and load is not None and load.prefill_token_rate > 0:
+        return correction.prefill_tokens + load.queued_prefill_tokens, load.timestamp
+    return correction.prefill_tokens, None
+
+
+def queued_prefill(correction: Correction, load: ReplicaLoad | None, now: float | None,
+                   config: RouterConfig) -> float:
+    """U at now: `prefill_queue`'s tokens less what the replica's prefill_token_rate
+    computed since their time (never below 0); all of them where not drained."""
+    tokens, as_of = prefill_queue(correction, load, config)
+    if as_of is None or now is None or load is None:
+        return tokens
+    elapsed = max(0.0, now - as_of)
+    return max(0.0, tokens - load.prefill_token_rate * elapsed)
+
+
 def _committed_kv(correction: Correction, load: ReplicaLoad, config: RouterConfig) -> float:
     """KV the replica will need for what this router sent it (prompts + max_tokens)."""
     kv_tokens = load.num_total_blocks * config.prefix_block_size
@@ -210,7 +238,7 @@ def score_replicas(
         if config.score_prefill_work:
             hit = 0 if cached_tokens is None else cached_tokens.get(rid, 0)
             own = max(0, prompt_tokens - hit)
-            score += (correction.prefill_tokens + own) / per_waiting
+            score += (queued_prefill(correction, load, now, config) + own) / per_waiting
         balance = 0.0
         if work:
             balance = work_weight * (work.get(rid, 0.0) - least_work) / per_waiting

@@ -30,7 +30,7 @@ class KVRouterCore(Generic[R]):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.affinity: PrefixAffinityTable[R] = PrefixAffinityTable(config.prefix_max_entries)
-        self.in_flight: InFlightTracker[R] = InFlightTracker()
+        self.in_flight: InFlightTracker[R] = InFlightTracker(config.drain_inflight_prefill)
         self.routed_work: RoutedWorkMeter[R] = RoutedWorkMeter(config.routed_work_half_life_s)
         self.table: ScoreTable[R] = ScoreTable(config)
         self.in_flight.on_change = self.table.invalidate

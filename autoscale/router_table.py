@@ -38,12 +38,14 @@ from iterserve.autoscale.router_policy import (
     Correction,
     R,
     effective_load,
+    prefill_queue,
 )
 from iterserve.autoscale.signals import ReplicaLoad
 
 # Columns of a row: what a replica's (stats, correction) pair fixes.
-EFF_KV, HOT, HAS_LOAD, STAMP, KV_TOKENS, DRAINING, BASE, PREFILL = range(8)
-NUM_COLUMNS = 8
+EFF_KV, HOT, HAS_LOAD, STAMP, KV_TOKENS, DRAINING, BASE, PREFILL, PREFILL_AS_OF, \
+    PREFILL_RATE = range(10)
+NUM_COLUMNS = 10
 _NO_CORRECTION = Correction(0)
 _UNSET = object()  # a row not computed yet (no stats object is this)
 
@@ -61,6 +63,7 @@ class ScoreTable(Generic[R]):
         self._own_loads: list[object] = []
         self._given_loads: list[object] = []
         self._given_corrections: list[object] = []
+        self._any_drained = False  # some row was computed from a drained Correction
 
     # ------------------------------------------------------------------------ rows
     def rows_for(self, candidates: Sequence[R]) -> list[int]:
@@ -126,11 +129,17 @@ class ScoreTable(Generic[R]):
         eff_waiting, eff_kv, hot, _ = effective_load(load, corr, None, config)
         base = config.waiting_weight * eff_waiting + config.kv_weight * eff_kv
         if load is None:
-            self._rows[row] = (eff_kv, hot, 0.0, 0.0, 0.0, 0.0, base, corr.prefill_tokens)
+            self._rows[row] = (eff_kv, hot, 0.0, 0.0, 0.0, 0.0, base, corr.prefill_tokens,
+                               0.0, 0.0)
         else:
+            # rate 0 where not drained: queued_prefill is then the whole U
+            queued, as_of = prefill_queue(corr, load, config)
+            drained = as_of is not None
+            self._any_drained |= drained
             self._rows[row] = (eff_kv, hot, 1.0, load.timestamp,
                                load.num_total_blocks * config.prefix_block_size,
-                               load.draining, base, corr.prefill_tokens)
+                               load.draining, base, queued, as_of if drained else 0.0,
+                               load.prefill_token_rate if drained else 0.0)
 
     # -------------------------------------------------------------------- scoring
     def hits(self, ix: np.ndarray, cached_tokens: Mapping[R, int] | None) -> np.ndarray | None:
@@ -176,7 +185,11 @@ class ScoreTable(Generic[R]):
             else:
                 own = np.maximum(0, prompt_tokens - hits)
                 best_hit = int(hits.max()) if len(hits) else 0
-            score = score + (terms[:, PREFILL] + own) / config.prefill_tokens_per_waiting
+            queued = terms[:, PREFILL]
+            if now is not None and self._any_drained:  # queued_prefill's operations
+                elapsed = np.maximum(0.0, now - terms[:, PREFILL_AS_OF])
+                queued = np.maximum(0.0, queued - terms[:, PREFILL_RATE] * elapsed)
+            score = score + (queued + own) / config.prefill_tokens_per_waiting
         elif hits is not None and len(hits):
             best_hit = int(hits.max())
         if work is None:

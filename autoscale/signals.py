@@ -42,6 +42,10 @@ class ReplicaLoad:
     but not yet running (preempted ones included). max_waiting_requests: the engine's
     waiting-queue bound (None: unbounded). timestamp: time.time() when the engine took the
     snapshot. draining: the replica is shutting down and admits nothing new.
+    prefill_token_rate: prompt tokens it computes per second of step time in steps that
+    prefill (0: not measured): how fast the prefills routed to it drain.
+    queued_prefill_tokens: prompt tokens of its admitted requests not computed yet at
+    timestamp (running prefills and waiting requests).
     cached_block_hashes: the stable hashes (`replica/block_hashes.py`) of the blocks its
     prefix cache can hit, of `block_size` tokens each (None: not reported).
     """
@@ -56,19 +60,24 @@ class ReplicaLoad:
     max_waiting_requests: int | None = None
     draining: bool = False
     num_preemptions: int = 0  # cumulative (dashboards and /debug/replicas)
+    prefill_token_rate: float = 0.0
+    queued_prefill_tokens: int = 0
     cached_block_hashes: frozenset[int] | None = None
     block_size: int = 0  # tokens per block of cached_block_hashes (0: none reported)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
-        if self.num_waiting < 0 or self.num_running < 0:
-            raise ValueError("num_waiting and num_running must be >= 0")
+        if self.num_waiting < 0 or self.num_running < 0 or self.queued_prefill_tokens < 0:
+            raise ValueError("num_waiting, num_running and queued_prefill_tokens must be >= 0")
         if not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
             raise ValueError(
                 f"num_free_blocks ({self.num_free_blocks}) must be in "
                 f"[0, num_total_blocks={self.num_total_blocks}]"
             )
+        if not self.prefill_token_rate >= 0.0 or math.isinf(self.prefill_token_rate):
+            raise ValueError(f"prefill_token_rate must be finite and >= 0, "
+                             f"got {self.prefill_token_rate}")
         if self.cached_block_hashes is not None and self.block_size < 1:
             raise ValueError(f"cached_block_hashes need a block_size >= 1, got {self.block_size}")
 
@@ -85,6 +94,8 @@ class ReplicaLoad:
             max_waiting_requests=stats.max_waiting_requests,
             draining=draining,
             num_preemptions=int(stats.num_preemptions),
+            prefill_token_rate=float(stats.prefill_token_rate),
+            queued_prefill_tokens=int(stats.queued_prefill_tokens),
         )
 
     def with_cached_blocks(self, hashes: Iterable[int] | None, block_size: int) -> ReplicaLoad:
@@ -112,6 +123,8 @@ class ReplicaLoad:
                 ),
                 draining=float(data.get("draining", 0.0)) >= 0.5,
                 num_preemptions=int(float(data.get("num_preemptions", 0))),
+                prefill_token_rate=float(data.get("prefill_token_rate", 0.0)),
+                queued_prefill_tokens=int(float(data.get("queued_prefill_tokens", 0))),
                 **_cached_blocks_of(data),
             )
         except (KeyError, TypeError) as exc:

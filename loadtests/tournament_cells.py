@@ -35,7 +35,7 @@ from iterserve.autoscale.baselines_routers_cache import (
 )
 from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimResult
-from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.routing_context import AutoscalingPolicy, RoutingPolicy
 from iterserve.loadtests.cluster_workloads import make
@@ -61,6 +61,9 @@ ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {
     # the same router without the replicas' cache answers: what the Ray adapter runs today
     "iterserve-nocache": lambda: IterserveRouter(name="iterserve-nocache",
                                                  use_replica_cache=False),
+    # the router before drain_inflight_prefill: the unseen sends' prefill counted in full
+    "iterserve-nodrain": lambda: IterserveRouter(RouterConfig(drain_inflight_prefill=False),
+                                                 name="iterserve-nodrain"),
 }
 
 

@@ -48,6 +48,8 @@ class EngineStatsReporting:
         self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
+        # (end time, prompt tokens, step seconds) of the recent steps that prefilled
+        self._recent_prefills: deque[tuple[float, int, float]] = deque()
         self._last_step_tokens = 0
         # Kept up to date by the block manager as blocks are cached and evicted, so a
         # router's report costs O(hashes reported), not a pass over the whole cache.
@@ -70,6 +72,10 @@ class EngineStatsReporting:
         while self._recent_steps and now - self._recent_steps[0][0] > RATE_WINDOW_S:
             self._recent_steps.popleft()
         recent_tokens = sum(tokens for _, tokens in self._recent_steps)
+        while self._recent_prefills and now - self._recent_prefills[0][0] > RATE_WINDOW_S:
+            self._recent_prefills.popleft()
+        prefill_time = sum(seconds for _, _, seconds in self._recent_prefills)
+        prefill_tokens = sum(tokens for _, tokens, _ in self._recent_prefills)
         manager = self.block_manager
         return EngineStats(
             timestamp=time.time(),
@@ -82,6 +88,8 @@ class EngineStatsReporting:
             num_out_of_blocks=self.scheduler.num_out_of_blocks,
             last_step_tokens=self._last_step_tokens,
             step_token_rate=recent_tokens / RATE_WINDOW_S,
+            prefill_token_rate=prefill_tokens / prefill_time if prefill_time > 0 else 0.0,
+            queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
@@ -112,6 +120,9 @@ class EngineStatsReporting:
         now = self.clock()
         self._last_step_tokens = output.num_batched_tokens
         self._recent_steps.append((now, output.num_batched_tokens))
+        prefill_tokens = output.num_prefill_tokens
+        if prefill_tokens and now > start:
+            self._recent_prefills.append((now, prefill_tokens, now - start))
         if not self.stat_loggers:
             return
         ttfts, itls = [], []

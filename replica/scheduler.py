@@ -122,6 +122,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the admitted requests not computed yet (running prefills and
+        waiting requests; a waiting request's prefix-cache hits are not known yet): the
+        prefill work ahead of a request that arrives now."""
+        queued = 0
+        for request in itertools.chain(self.running, self.waiting):
+            left = len(request.prompt_token_ids) - request.num_computed_tokens
+            if left > 0:
+                queued += left
+        return queued
+
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None once it finished (or never was)."""
         return self.requests.get(request_id)

@@ -33,6 +33,10 @@ class EngineStats:
     num_out_of_blocks: int  # cumulative: steps where a request could not get a block
     last_step_tokens: int  # tokens computed in the last iteration
     step_token_rate: float  # tokens computed per second over the recent window
+    # Prompt tokens computed per second of step time, over the recent steps that prefilled
+    # (0: none in the window): how fast queued prefill drains, for routers.
+    prefill_token_rate: float = 0.0
+    queued_prefill_tokens: int = 0  # the scheduler's num_queued_prefill_tokens()
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
     max_waiting_requests: int | None = None

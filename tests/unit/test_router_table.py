@@ -25,14 +25,18 @@ def _load(rng: random.Random) -> ReplicaLoad | None:
         kv_usage=kv, num_waiting=rng.choice([0, 0, 1, 3, 8]), num_running=rng.randrange(4),
         num_free_blocks=int(total * (1 - kv)), num_total_blocks=total, step_token_rate=0.0,
         timestamp=NOW - rng.choice([0.1, 0.1, 0.5, 5.0, 7.5]),
-        max_waiting_requests=rng.choice([None, None, 4, 8]), draining=rng.random() < 0.1)
+        max_waiting_requests=rng.choice([None, None, 4, 8]), draining=rng.random() < 0.1,
+        prefill_token_rate=rng.choice([0.0, 0.0, 2000.0, 35_000.5]),
+        queued_prefill_tokens=rng.choice([0, 0, 700, 9000]))
 
 
 def _correction(rng: random.Random) -> Correction | None:
     if rng.random() < 0.3:
         return None
+    # prefill_as_of: a drained correction (as a draining tracker gives), some in the future
     return Correction(rng.randrange(3), rng.choice([0, 500, 5000]), rng.choice([0, 800, 9000]),
-                      rng.choice([0, 0, 300, 2000]))
+                      rng.choice([0, 0, 300, 2000, 1234.5]),
+                      rng.choice([None, None, NOW - 0.05, NOW - 0.3, NOW + 0.01]))
 
 
 def _config(rng: random.Random) -> RouterConfig:
@@ -42,7 +46,8 @@ def _config(rng: random.Random) -> RouterConfig:
         routed_work_weight=rng.choice([0.0, 32.0, 32.0, 5.0]),
         cache_affinity_threshold=rng.choice([0.1, 0.1, 0.6, 1.5]),
         max_waiting_per_replica=rng.choice([None, None, 3]),
-        stats_stale_after_s=rng.choice([5.0, 1.0]))
+        stats_stale_after_s=rng.choice([5.0, 1.0]),
+        drain_inflight_prefill=rng.random() < 0.5)
 
 
 def _situation(rng: random.Random, core: KVRouterCore[str], n: int) -> dict:
