@@ -23,7 +23,6 @@ compares the JSON of both byte for byte).
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
@@ -37,8 +36,8 @@ from iterserve.autoscale.cluster_sim_types import (
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_manager import BlockManager, BlockTokens
 from iterserve.replica.config import SchedulerConfig
-from iterserve.replica.engine_stats import RATE_WINDOW_S
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
+from iterserve.replica.prefill_rate import PrefillRateMeter
 from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
@@ -100,9 +99,7 @@ class SimReplica:
         self._step_is_full = True  # the step ran the whole scheduler (no lazy decodes)
         self._step_ends: list[float] = []  # end time of every step so far
         self._step_prefill = (0, 0.0)  # prompt tokens and seconds of the step in progress
-        # (end time, prompt tokens, seconds) of the recent steps that prefilled: the
-        # engine's prefill_token_rate, measured the same way (replica/engine_stats.py)
-        self._recent_prefills: deque[tuple[float, int, float]] = deque()
+        self.prefill_rate = PrefillRateMeter()  # the engine's prefill_token_rate meter
         self._seq: dict[str, int] = {}  # running request -> admission order
         self._next_seq = 0
         self._reduced: dict[int, SchedulerConfig] = {}
@@ -137,16 +134,9 @@ class SimReplica:
             num_total_blocks=bm.num_total_blocks,
             step_token_rate=0.0,
             timestamp=now,
-            prefill_token_rate=self._prefill_token_rate(now),
+            prefill_token_rate=self.prefill_rate.rate(now),
             queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
         )
-
-    def _prefill_token_rate(self, now: float) -> float:
-        recent = self._recent_prefills
-        while recent and now - recent[0][0] > RATE_WINDOW_S:
-            recent.popleft()
-        seconds = sum(s for _, _, s in recent)
-        return sum(t for _, t, _ in recent) / seconds if seconds > 0 else 0.0
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of a prompt this replica's prefix cache holds now
@@ -283,9 +273,7 @@ class SimReplica:
     def _end_step(self, end: float) -> None:
         self.clock.now = end
         self._step_ends.append(end)
-        prefill, duration = self._step_prefill
-        if prefill and duration > 0:
-            self._recent_prefills.append((end, prefill, duration))
+        self.prefill_rate.record(end, *self._step_prefill)
         step = self.num_steps
         output = self._step
         if not self._step_is_full:

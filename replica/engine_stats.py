@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from iterserve.replica.block_hashes import BlockHashIndex
 from iterserve.replica.outputs import SchedulerOutput
+from iterserve.replica.prefill_rate import RATE_WINDOW_S, PrefillRateMeter
 from iterserve.replica.request import Request
 from iterserve.replica.stats import (
     FINISH_REASONS,
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     from iterserve.replica.config import EngineConfig
     from iterserve.replica.scheduler import Scheduler
 
-RATE_WINDOW_S = 2.0  # window of the step_token_rate signal
-
 
 class EngineStatsReporting:
     scheduler: Scheduler
@@ -48,8 +47,7 @@ class EngineStatsReporting:
         self.finished_by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
-        # (end time, prompt tokens, step seconds) of the recent steps that prefilled
-        self._recent_prefills: deque[tuple[float, int, float]] = deque()
+        self.prefill_rate = PrefillRateMeter()
         self._last_step_tokens = 0
         # Kept up to date by the block manager as blocks are cached and evicted, so a
         # router's report costs O(hashes reported), not a pass over the whole cache.
@@ -72,10 +70,6 @@ class EngineStatsReporting:
         while self._recent_steps and now - self._recent_steps[0][0] > RATE_WINDOW_S:
             self._recent_steps.popleft()
         recent_tokens = sum(tokens for _, tokens in self._recent_steps)
-        while self._recent_prefills and now - self._recent_prefills[0][0] > RATE_WINDOW_S:
-            self._recent_prefills.popleft()
-        prefill_time = sum(seconds for _, _, seconds in self._recent_prefills)
-        prefill_tokens = sum(tokens for _, tokens, _ in self._recent_prefills)
         manager = self.block_manager
         return EngineStats(
             timestamp=time.time(),
@@ -88,7 +82,7 @@ class EngineStatsReporting:
             num_out_of_blocks=self.scheduler.num_out_of_blocks,
             last_step_tokens=self._last_step_tokens,
             step_token_rate=recent_tokens / RATE_WINDOW_S,
-            prefill_token_rate=prefill_tokens / prefill_time if prefill_time > 0 else 0.0,
+            prefill_token_rate=self.prefill_rate.rate(now),
             queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
@@ -120,9 +114,7 @@ class EngineStatsReporting:
         now = self.clock()
         self._last_step_tokens = output.num_batched_tokens
         self._recent_steps.append((now, output.num_batched_tokens))
-        prefill_tokens = output.num_prefill_tokens
-        if prefill_tokens and now > start:
-            self._recent_prefills.append((now, prefill_tokens, now - start))
+        self.prefill_rate.record(now, output.num_prefill_tokens, now - start)
         if not self.stat_loggers:
             return
         ttfts, itls = [], []

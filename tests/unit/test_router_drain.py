@@ -14,6 +14,7 @@ from iterserve.autoscale.router_policy import prefill_queue, queued_prefill
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
+from iterserve.replica.prefill_rate import RATE_WINDOW_S, PrefillRateMeter
 
 RATE = 1000.0  # prompt tokens per second
 
@@ -103,6 +104,20 @@ def test_prefill_token_rate_is_on_the_wire_and_validated() -> None:
         _load(5.0, queued=-1)
 
 
+def test_the_prefill_rate_is_tokens_per_step_second_over_the_window() -> None:
+    meter = PrefillRateMeter()
+    assert meter.rate(0.0) == 0.0
+    meter.record(1.0, 300, 0.1)
+    meter.record(1.5, 0, 0.2)  # a decode-only step: not a sample
+    meter.record(1.6, 100, 0.0)  # no measurable time: not a sample
+    meter.record(2.0, 500, 0.3)
+    # idle time between the steps does not dilute it: 800 tokens over 0.4 step seconds
+    assert meter.rate(2.5) == pytest.approx(800 / 0.4)
+    assert meter.rate(1.0 + RATE_WINDOW_S + 0.01) == pytest.approx(500 / 0.3)  # first out
+    assert meter.samples() == [(2.0, 500, 0.3)]
+    assert meter.rate(2.0 + RATE_WINDOW_S + 0.01) == 0.0
+
+
 def test_the_simulated_replica_reports_its_cost_models_prefill_rate() -> None:
     from iterserve.autoscale.cluster_sim_replica import SimReplica
 
@@ -126,7 +141,7 @@ def test_the_engine_measures_its_prefill_rate_over_the_steps_that_prefilled() ->
     rate = engine.stats().prefill_token_rate
     assert rate > 0.0
     # no faster than its prompt over the one step that prefilled it could allow
-    assert rate == pytest.approx(300 / engine._recent_prefills[0][2])
+    assert rate == pytest.approx(300 / engine.prefill_rate.samples()[0][2])
     assert ReplicaLoad.from_engine_stats(engine.stats()).prefill_token_rate == rate
     assert engine.stats().queued_prefill_tokens == 0  # all computed
 
