@@ -109,32 +109,34 @@ class InFlightTracker(Generic[R]):
         cached = self._given.get(rid)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        n = tokens = prefill = 0
         if load is None or self._last_at[rid] is None:
-            for at, t, p in entries.values():
-                if load is None or at > load.timestamp:
-                    n, tokens, prefill = n + 1, tokens + t, prefill + p
+            unseen = [e for e in entries.values() if load is None or e[0] > load.timestamp]
         else:
-            for at, t, p in reversed(entries.values()):  # newest first: the unseen tail
-                if at <= stamp:
+            unseen = []
+            for entry in reversed(entries.values()):  # newest first: the unseen tail
+                if entry[0] <= stamp:
                     break
-                n, tokens, prefill = n + 1, tokens + t, prefill + p
+                unseen.append(entry)
+        tokens = sum(t for _, t, _ in unseen)
+        prefill: float = sum(p for _, _, p in unseen)
         as_of = None
-        if self.drain_prefill and n and load is not None and load.prefill_token_rate > 0:
-            prefill, as_of = self._queued_prefill(entries, load)
-        correction = Correction(n, tokens, self._committed[rid], prefill, as_of)
+        if self.drain_prefill and unseen and load is not None and load.prefill_token_rate > 0:
+            prefill, as_of = self._queued_prefill(unseen, load)
+        correction = Correction(len(unseen), tokens, self._committed[rid], prefill, as_of)
         self._given[rid] = (stamp, correction)
         return correction
 
     @staticmethod
-    def _queued_prefill(entries: dict[str, tuple[float, int, int]], load: ReplicaLoad
+    def _queued_prefill(unseen: list[tuple[float, int, int]], load: ReplicaLoad
                         ) -> tuple[float, float]:
         """(prefill tokens still queued, as of the last unseen send): a fluid queue that
         holds the replica's reported queued prefill at its stats and drains at its
-        prefill_token_rate, each unseen send joining it in routing order."""
+        prefill_token_rate, each unseen send (at, footprint, prefill) joining it in
+        routing order."""
         rate, last = load.prefill_token_rate, load.timestamp
         queued = float(load.queued_prefill_tokens)
-        for at, p in sorted((at, p) for at, _, p in entries.values() if at > last):
+        # sorted by (at, prefill) as before, so that ties give the same floats
+        for at, p in sorted((at, p) for at, _, p in unseen):
             queued = max(0.0, queued - rate * (at - last)) + p
             last = at
         return queued, last
