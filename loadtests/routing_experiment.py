@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests.ray_path_latency import hop_summary
 from iterserve.loadtests.sim_harness import (
@@ -147,7 +148,6 @@ def summarize(records: Sequence[RequestRecord], preemptions: int, runs: int = 1
 
 # ------------------------------------------------------------------------------ the arms
 def arm_router(name: str, period_s: float) -> Any:  # noqa: ANN401
-    from iterserve.autoscale.config import RouterConfig
     from iterserve.autoscale.router import request_router_config
 
     if name in COMPARISON_ARMS:
@@ -159,11 +159,17 @@ def arm_router(name: str, period_s: float) -> Any:  # noqa: ANN401
 
         # Ray's default router, with the same stats period so only the policy differs.
         return RequestRouterConfig(request_routing_stats_period_s=period_s)
+    return request_router_config(iterserve_router_config(name, period_s))
+
+
+def iterserve_router_config(name: str, period_s: float) -> RouterConfig | None:
+    """The RouterConfig of one of iterserve's own arms (recorded with the results, so that
+    sim_validation simulates the router the Ray run had); None for a Ray or baseline arm."""
+    if name in COMPARISON_ARMS or name == "pow2 (Ray default)":
+        return None
     affinity = name.endswith("+ prefix") or name == NO_REPORTS_ARM
-    return request_router_config(
-        RouterConfig(prefix_affinity=affinity, routing_stats_period_s=period_s,
-                     use_replica_cache_reports=name != NO_REPORTS_ARM)
-    )
+    return RouterConfig(prefix_affinity=affinity, routing_stats_period_s=period_s,
+                        use_replica_cache_reports=name != NO_REPORTS_ARM)
 
 
 # Ray's own prefix-cache router and our reimplementation of it (the tournament's
@@ -349,6 +355,8 @@ async def main_async(args: argparse.Namespace) -> int:
         "period_s": args.stats_period, "engine_kwargs": engine_kwargs,
         "workload": asdict(wl), "repeats": args.repeats,
         "per_run": [r["summary"] for r in runs],
+        "router_configs": {arm: config.model_dump() for arm in arms
+                           if (config := iterserve_router_config(arm, args.stats_period))},
     }
     report = write_report(pooled(runs, arms), Path(args.out), meta)
     print(report.read_text())

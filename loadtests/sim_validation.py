@@ -41,7 +41,7 @@ from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
-from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
+from iterserve.autoscale.routing_context import RouteRequest, RoutingContext, RoutingPolicy
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.sim_validation_report import Row, write_report
@@ -65,18 +65,31 @@ class PowerOfTwo:
 
 ARM_ROUTERS = {
     "pow2 (Ray default)": lambda period: PowerOfTwo(),
-    # as the Ray adapter ran for the recorded Ray results: no replica cache answers (before
-    # the replicas reported block hashes; a Ray run since has them unless
-    # RouterConfig.use_replica_cache_reports is off)
-    "KVAware": lambda period: IterserveRouter(RouterConfig(prefix_affinity=False,
-                                                           routing_stats_period_s=period),
-                                              use_replica_cache=False),
-    "KVAware + prefix": lambda period: IterserveRouter(RouterConfig(
-        prefix_affinity=True, routing_stats_period_s=period), use_replica_cache=False),
     # Ray's own router and our reimplementation both have the reimplementation as model
     "ray-prefix (ours)": lambda period: RayPrefixAffinityRouter(),
     "PrefixCacheAffinityRouter (Ray 2.60)": lambda period: RayPrefixAffinityRouter(),
 }
+# iterserve's own arms in Ray results that do not record their RouterConfig (before
+# routing_experiment did, 2026-12-03): the router as the Ray adapter then ran, with no
+# replica cache answers (before the replicas reported block hashes) and no prefill drain
+# (before drain_inflight_prefill)
+LEGACY_PREFIX_AFFINITY = {"KVAware": False, "KVAware + prefix": True}
+
+
+def sim_router(arm: str, period_s: float, recorded: dict[str, Any] | None) -> RoutingPolicy:
+    """The simulator's router for a Ray arm: the RouterConfig the Ray run recorded for it,
+    or the legacy settings above for an iterserve arm that recorded none."""
+    if arm in ARM_ROUTERS:
+        return ARM_ROUTERS[arm](period_s)
+    if recorded is not None:
+        config = RouterConfig(**recorded)
+        return IterserveRouter(config, use_replica_cache=config.use_replica_cache_reports)
+    if arm not in LEGACY_PREFIX_AFFINITY:
+        raise SystemExit(f"no simulator router for the Ray arm {arm!r}")
+    return IterserveRouter(RouterConfig(prefix_affinity=LEGACY_PREFIX_AFFINITY[arm],
+                                        routing_stats_period_s=period_s,
+                                        drain_inflight_prefill=False),
+                           use_replica_cache=False)
 
 
 def sim_workload(workload: WorkloadConfig) -> list[SimRequest]:
@@ -127,8 +140,14 @@ def load_ray_results(paths: Sequence[Path]) -> dict[str, Any]:
                 other["meta"]["time_scale"]) != (meta["workload"], meta["engine_kwargs"],
                                                  meta["time_scale"]):
             raise SystemExit("the Ray results files ran different workloads or engines")
-    return {"meta": meta, "metas": [f["meta"] for f in files],
-            "results": [r for f in files for r in f["results"]]}
+    # each result with its run's RouterConfig (None: not recorded) and a label: its arm, and
+    # the run's time where two files ran the same arm (e.g. before and after a router change)
+    results = [{**r, "router_config": f["meta"].get("router_configs", {}).get(r["summary"]["arm"]),
+                "when": f["meta"]["when"]} for f in files for r in f["results"]]
+    arms = [r["summary"]["arm"] for r in results]
+    for r, arm in zip(results, arms, strict=True):
+        r["label"] = arm if arms.count(arm) == 1 else f"{arm} (Ray run {r['when']})"
+    return {"meta": meta, "metas": [f["meta"] for f in files], "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,15 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     requests = sim_workload(workload)
     rows = []
     for result in ray["results"]:
-        arm = result["summary"]["arm"]
+        arm, label = result["summary"]["arm"], result["label"]
         t0 = time.process_time()
         sims = {}
         for label, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
-            runs = [simulate(requests, [ARM_ROUTERS[arm](float(meta["period_s"]))],
+            runs = [simulate(requests, [sim_router(arm, float(meta["period_s"]),
+                                                   result["router_config"])],
                              int(meta["num_replicas"]), sim_config(meta, seed, *latency))
                     for seed in range(args.seeds)]
             sims[label] = pooled_summary(runs)
-        rows.append(Row(arm, result["summary"], sims["path"], sims["engine"],
+        rows.append(Row(label, result["summary"], sims["path"], sims["engine"],
                         time.process_time() - t0))
     command = ("python -m iterserve.loadtests.sim_validation --ray-results "
                + " ".join(p.name for p in args.ray_results)
