@@ -176,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         arm, label = result["summary"]["arm"], result["label"]
         t0 = time.process_time()
         sims = {}
-        for label, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
+        for sim_kind, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
             runs = [simulate(requests, [sim_router(arm, float(meta["period_s"]),
                                                    result["router_config"])],
                              int(meta["num_replicas"]), sim_config(meta, seed, *latency))
                     for seed in range(args.seeds)]
-            sims[label] = pooled_summary(runs)
+            sims[sim_kind] = pooled_summary(runs)
         rows.append(Row(label, result["summary"], sims["path"], sims["engine"],
                         time.process_time() - t0))
     command = ("python -m iterserve.loadtests.sim_validation --ray-results "
