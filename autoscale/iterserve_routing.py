@@ -24,6 +24,7 @@ from typing import Literal
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
+from iterserve.autoscale.shuffle import shuffle
 
 InFlightSource = Literal["own-tracker", "caller-views"]
 OWN_TRACKER: InFlightSource = "own-tracker"
@@ -63,7 +64,7 @@ class IterserveRouter:
 
     def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         shuffled = list(ctx.replicas)
-        rng.shuffle(shuffled)
+        shuffle(rng, shuffled)
         ids = [v.replica_id for v in shuffled]
         key, tokens = self._key(ctx.request)
         prompt = ctx.request.prompt_token_ids

@@ -55,6 +55,7 @@ from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
+from iterserve.autoscale.shuffle import shuffle
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
 
@@ -170,7 +171,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         # Shuffle first: ties keep candidate order, and independent routers should not all
         # break ties towards the same replica.
         shuffled = list(candidate_replicas)
-        self._rng.shuffle(shuffled)
+        shuffle(self._rng, shuffled)
         by_id = {r.replica_id: r for r in shuffled}
         loads = self._loads(shuffled)
         token_ids, key, num_tokens = self._prompt(pending_request)
