@@ -315,8 +315,9 @@ def write_report(results: list[dict[str, Any]], out: Path, meta: dict[str, Any])
 
 
 def pooled(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str, Any]]:
-    """Per arm, every run's requests pooled (p99 over all of them), preemptions averaged;
-    plus the first run's time series for the plots."""
+    """Per arm, every run's requests pooled (p99 over all of them), preemptions averaged,
+    the box load the highest any run ended at; every run's (sent, TTFT) pairs, so that two
+    results files can be pooled again later, and the first run's KV series for the plots."""
     out = []
     for arm in arms:
         mine = [r for r in runs if r["summary"]["arm"] == arm]
@@ -330,7 +331,12 @@ def pooled(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
         per_run = sorted(r["summary"]["ttft_p99_s"] for r in mine)
         summary["ttft_p99_median_of_runs_s"] = per_run[len(per_run) // 2] if len(per_run) % 2 \
             else (per_run[len(per_run) // 2 - 1] + per_run[len(per_run) // 2]) / 2
-        out.append({"summary": summary, "kv": mine[0]["kv"], "ttfts": mine[0]["ttfts"]})
+        loads = [r["summary"]["loadavg_1m_at_end"] for r in mine if "loadavg_1m_at_end" in r["summary"]]
+        if loads:
+            summary["loadavg_1m_at_end"] = max(loads)
+            summary["loadavg_1m_at_end_per_run"] = loads
+        out.append({"summary": summary, "kv": mine[0]["kv"],
+                    "ttfts": [pair for r in mine for pair in r["ttfts"]]})
     return out
 
 

@@ -140,6 +140,12 @@ def load_ray_results(paths: Sequence[Path]) -> dict[str, Any]:
                 other["meta"]["time_scale"]) != (meta["workload"], meta["engine_kwargs"],
                                                  meta["time_scale"]):
             raise SystemExit("the Ray results files ran different workloads or engines")
+    for f in files:  # files written before the pooled summary kept its runs' box load
+        for r in f["results"]:
+            loads = [run["loadavg_1m_at_end"] for run in f["meta"].get("per_run", [])
+                     if run["arm"] == r["summary"]["arm"] and "loadavg_1m_at_end" in run]
+            if loads and "loadavg_1m_at_end" not in r["summary"]:
+                r["summary"]["loadavg_1m_at_end"] = max(loads)
     # each result with its run's RouterConfig (None: not recorded) and a label: its arm, and
     # the run's time where two files ran the same arm (e.g. before and after a router change)
     results = [{**r, "router_config": f["meta"].get("router_configs", {}).get(r["summary"]["arm"]),
