@@ -19,7 +19,10 @@ The Ray path's own latency outside the replicas (dispatch: handle call -> replic
 engine -> driver) is not fitted: it is the median that `ray_path_latency` measured with one
 request in flight, passed as `ClusterSimConfig.dispatch_latency_s` / `stream_latency_s`.
 The report shows the simulator with and without it, the Ray run's own split of each TTFT
-around the engine (`RequestRecord` timestamps), and Ray's router beside ours.
+around the engine (`RequestRecord` timestamps), and Ray's router beside ours. With
+`--engine-cpu` (engine_cpu_overhead's JSON) the simulated replicas' steps also last the
+engine's own CPU time per step, which the simulated runner does not overlap with its
+modelled GPU time and the cost model leaves out.
 Writes loadtests/results/sim_validation.md (floor: p50 / p99 TTFT and throughput within
 15 % per router).
 """
@@ -46,6 +49,8 @@ from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.sim_validation_report import Row, write_report
 from iterserve.replica.sim_runner import CostModel, SimulatorConfig
+
+EngineCpu = tuple[float, float]  # the engine's CPU seconds per step, per decoding sequence
 
 
 class PowerOfTwo:
@@ -98,12 +103,17 @@ def sim_workload(workload: WorkloadConfig) -> list[SimRequest]:
 
 
 def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
-               stream_latency_s: float = 0.0) -> ClusterSimConfig:
+               stream_latency_s: float = 0.0, engine_cpu: EngineCpu = (0.0, 0.0)
+               ) -> ClusterSimConfig:
+    """The Ray run's engine in the simulator: the cost model slowed by its time_scale, plus
+    `engine_cpu` (seconds per step, per decoding sequence: the engine's own CPU time, real
+    seconds, so not scaled; `engine_cpu_overhead` measures it)."""
     engine = meta["engine_kwargs"]
     scale = float(meta["time_scale"])
     base = CostModel()
-    slowed = CostModel(*(getattr(base, f) * scale for f in (
-        "a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_kv_token")))
+    per_step, per_seq = engine_cpu
+    slowed = CostModel(base.a_s * scale + per_step, base.b_s_per_prefill_token * scale,
+                       base.c_s_per_decode_seq * scale + per_seq, base.d_s_per_kv_token * scale)
     return ClusterSimConfig(
         sim=SimulatorConfig(cost=slowed), max_num_seqs=engine["max_num_seqs"],
         max_num_batched_tokens=engine["max_num_batched_tokens"],
@@ -112,6 +122,14 @@ def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
         enable_prefix_caching=engine["enable_prefix_caching"],
         routing_stats_period_s=float(meta["period_s"]), seed=seed,
         dispatch_latency_s=dispatch_latency_s, stream_latency_s=stream_latency_s)
+
+
+def read_engine_cpu(path: Path | None) -> EngineCpu:
+    """engine_cpu_overhead's fit (per step, per sequence), or none."""
+    if path is None:
+        return (0.0, 0.0)
+    fit = json.loads(path.read_text())
+    return (float(fit["per_step_s"]), float(fit["per_seq_s"]))
 
 
 def pooled_summary(results: Sequence[SimResult]) -> dict[str, Any]:
@@ -167,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                         default=RESULTS_DIR / "ray_path_latency.json",
                         help="ray_path_latency's JSON: its dispatch / return medians become "
                              "the simulator's dispatch_latency_s / stream_latency_s")
+    parser.add_argument("--engine-cpu", type=Path, default=None,
+                        help="engine_cpu_overhead's JSON: the engine's CPU time per step "
+                             "(which the simulated runner does not overlap) added to the "
+                             "simulated replicas' step times; default none")
     parser.add_argument("--seeds", type=int, default=8, help="simulator runs per arm")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sim_validation.md")
     args = parser.parse_args(argv)
@@ -174,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = ray["meta"]
     probe = json.loads(args.ray_path_latency.read_text())
     dispatch_s, stream_s = float(probe["dispatch_p50_s"]), float(probe["return_p50_s"])
+    engine_cpu = read_engine_cpu(args.engine_cpu)
     workload = WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v
                                  for k, v in meta["workload"].items()})
     requests = sim_workload(workload)
@@ -185,14 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         for sim_kind, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
             runs = [simulate(requests, [sim_router(arm, float(meta["period_s"]),
                                                    result["router_config"])],
-                             int(meta["num_replicas"]), sim_config(meta, seed, *latency))
+                             int(meta["num_replicas"]),
+                             sim_config(meta, seed, *latency, engine_cpu=engine_cpu))
                     for seed in range(args.seeds)]
             sims[sim_kind] = pooled_summary(runs)
         rows.append(Row(label, result["summary"], sims["path"], sims["engine"],
                         time.process_time() - t0))
     command = ("python -m iterserve.loadtests.sim_validation --ray-results "
                + " ".join(p.name for p in args.ray_results)
-               + f" --ray-path-latency {args.ray_path_latency.name} --seeds {args.seeds}")
+               + f" --ray-path-latency {args.ray_path_latency.name} --seeds {args.seeds}"
+               + (f" --engine-cpu {args.engine_cpu.name}" if args.engine_cpu else ""))
     text = write_report(rows, ray, probe, command, args.seeds)
     args.out.write_text(text)
     print(text)
