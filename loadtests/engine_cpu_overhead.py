@@ -33,14 +33,10 @@ from iterserve.loadtests.sim_harness import RESULTS_DIR
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through the points (at least two
-    distinct xs)."""
-    if len(set(xs)) < 2:
-        raise ValueError("a line needs points at two or more distinct x")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) \
-        / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
+    """(intercept, slope) of the least-squares line through the points; ValueError (the
+    stdlib's StatisticsError) unless the xs take two or more values."""
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
 
 
 def measure(running: Sequence[int], rounds: int, steps: int) -> dict[str, Any]:
