@@ -8,8 +8,10 @@ The head node holds Serve's controller, the HTTP proxy, the ingress and one repl
 worker node (added once those are up, then `num_replicas` 2 with `max_replicas_per_node` 1)
 holds the other replica. The engine is the simulated runner with a 20 ms step (the
 `simulator` engine setting). The load runs until the router has sent each replica a few
-requests (the ingress's first requests wait for its tokenizer), then `load_before_s` more;
-then the worker is removed without grace (`Cluster.remove_node(allow_graceful=False)`: its
+requests (the ingress's first requests wait for its tokenizer), then `load_before_s` more,
+and until the worker's replica runs `KILL_WHEN_RUNNING` requests (read from
+`/debug/replicas`: time alone left it idle at the kill on a loaded box); then the worker is
+removed without grace (`Cluster.remove_node(allow_graceful=False)`: its
 raylet and workers are killed). Measured:
 
 * every request: how it ended and when, relative to the kill (streams cut by the fault: an
@@ -70,6 +72,11 @@ AUTOSCALE = AutoscaleConfig(min_replicas=2, max_replicas=4)
 SAMPLE_PERIOD_S = 0.1
 WARM_DECISIONS = 3  # requests routed to each replica before the timed phase starts
 WARM_TIMEOUT_S = 120.0
+# Streams running on the replica to be lost when the raylet is killed. Probes take ~0.3 s
+# and the dying worker serves on for ~1 s, so one running request may be a probe that
+# completes; at two, a long stream is almost always among them.
+KILL_WHEN_RUNNING = 2
+KILL_WAIT_S = 60.0
 
 
 def _replica_infos(url: str) -> list[dict[str, Any]]:
@@ -77,6 +84,23 @@ def _replica_infos(url: str) -> list[dict[str, Any]]:
         return httpx.get(f"{url}/debug/replicas", timeout=10).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError):
         return []
+
+
+def _wait_for_running(url: str, replica: str, at_least: int, timeout_s: float
+                      ) -> list[dict[str, Any]]:
+    """Poll /debug/replicas until `replica`'s engine runs `at_least` requests; the snapshot
+    that showed it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = _replica_infos(url)
+        running = {i.get("replica_id"): int(i.get("stats", {}).get("num_running", 0))
+                   for i in infos}
+        if running.get(replica, 0) >= at_least:
+            return infos
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {at_least} requests running on the "
+                               f"replica to be lost (last: {running})")
+        time.sleep(0.05)
 
 
 def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
@@ -274,7 +298,11 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
                       f"{WARM_DECISIONS} requests routed to each replica")
             timeline.mark(f"each replica has been routed {WARM_DECISIONS} requests")
             time.sleep(load_before_s)
-            served_before = {i["replica_id"]: i["num_requests"] for i in _replica_infos(url)}
+            # Timing alone is not enough: on a loaded box the router sometimes had nothing
+            # running on the worker's replica at the kill, and the run proved nothing.
+            infos = _wait_for_running(url, dead_replica, KILL_WHEN_RUNNING, KILL_WAIT_S)
+            served_before = {i["replica_id"]: i["num_requests"] for i in infos}
+            running_before = {i["replica_id"]: int(i["stats"]["num_running"]) for i in infos}
             kill_at = timeline.mark("worker node's raylet killed")
             cluster.remove_node(worker, allow_graceful=False)
             _wait_for(lambda: _running_replicas() == 1, 120, "the dead replica to go")
@@ -294,6 +322,7 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
         return {
             "autoscale": autoscale, "timeline": timeline.events,
             "generate_calls_before_kill": served_before,
+            "running_before_kill": running_before,
             **requests_report((load, probes), load_started, kill_at, sampler.watched_exit_at),
             **routing_report(sampler.decisions_for(dead_replica, kill_at), kill_at,
                              dead_replica, sampler.watched_exit_at, log,

@@ -3,9 +3,10 @@ two-node Ray cluster on this machine (head + worker, one LLMReplica each), the w
 raylet killed mid-load, the node then added back. Run in a subprocess so that its Ray cluster
 is its own. Floors asserted:
 
-* the lost replica carried traffic: it had served requests before the kill and some streams
-  were under way on it (without this every floor below would hold vacuously, as it did while
-  the ingress's tokenizer load held the first requests past the kill);
+* the lost replica carried traffic: it had served requests before the kill, ran at least two
+  at the kill (the script waits for that: a CI run on a loaded box once killed it idle), and
+  some streams were under way on it (without this every floor below would hold vacuously, as
+  it did while the ingress's tokenizer load held the first requests past the kill);
 * requests that start after the fault all complete (0 lost), and streams in flight at the
   fault either complete or end as below;
 * streams under way on the lost replica end with an SSE error event and then [DONE] (none
@@ -54,6 +55,7 @@ def test_node_loss_loses_nothing(tmp_path: Path) -> None:
     # not vacuous: the replica on the lost node served requests and had streams under way
     assert result["generate_calls_before_kill"].get(dead, 0) > 0, result["timeline"]
     assert result["routed_to_dead_replica_before_kill"] > 0
+    assert result["running_before_kill"][dead] >= 2
     assert result["in_flight_failed"] > 0, "no stream was under way on the lost replica"
     assert result["started_after_kill"] > 0 and result["started_after_kill_failed"] == 0
     assert result["in_flight_failed"] == result["in_flight_failed_with_sse_error"], \
