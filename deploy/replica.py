@@ -72,6 +72,11 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+def _device_idle_report(engine: Any) -> dict[str, dict[str, float]] | None:
+    meter = getattr(engine.runner, "device_idle", None)
+    return None if meter is None else meter.report()
+
+
 def replica_engine_kwargs(engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The replica's engine settings: cpu_threads defaults to every core but one, so the
     engine's matmuls leave a core to this node's HTTP proxy and ingress."""
@@ -155,6 +160,11 @@ class LLMReplica:
         extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
                  "num_cancelled": self._num_cancelled}
         return describe_engine(self.engine, extra)
+
+    async def device_idle(self) -> dict[str, dict[str, float]] | None:
+        """The simulated runner's `DeviceIdleMeter` report (None for a real runner), read on
+        the engine thread: the engine CPU time per step its simulated GPU waited for."""
+        return await self.engine.call(_device_idle_report)
 
     async def record_routing_stats(self) -> dict[str, float | list[int]]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""

@@ -38,10 +38,12 @@ from iterserve.loadtests.sim_harness import (
     ReplicaStatsPoller,
     RequestRecord,
     RequestSpec,
+    device_idle_reports,
     drive,
     replica_app,
     start_ray,
 )
+from iterserve.replica.device_idle import fit_report, merge_reports
 
 # Engine per replica: a deliberately small KV cache (num_gpu_blocks_override) so that a few
 # long requests fill it, as on a GPU serving long contexts; chunked prefill; prefix caching.
@@ -199,9 +201,12 @@ async def run_arm(name: str, idx: int, specs: Sequence[RequestSpec], num_replica
     await asyncio.sleep(1.0)
     await poller.stop()
     await poller._poll_once()
+    idle = await device_idle_reports(handle)
     preemptions = preemptions_between(poller.samples)
     summary = summarize(records, preemptions)
     summary["arm"] = name
+    if idle:  # the replicas' engine CPU per step, as their simulated GPUs waited for it
+        summary["engine_cpu"] = fit_report(merge_reports(idle))
     summary["loadavg_1m_at_end"] = os.getloadavg()[0]  # other work on a shared machine
     print(f"[{name}] {json.dumps(summary)}", flush=True)
     await asyncio.wait_for(asyncio.to_thread(serve.delete, app_name), 180)

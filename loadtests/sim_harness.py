@@ -215,6 +215,14 @@ class ReplicaStatsPoller:
             await asyncio.wait({self._task}, timeout=5.0)
 
 
+async def device_idle_reports(handle: Any) -> list[dict[str, dict[str, float]]]:  # noqa: ANN401
+    """Every replica's `LLMReplica.device_idle()` (the simulated runner's wait for the
+    engine's CPU per step), through the handle's broadcast; real runners and replicas that
+    fail to answer are left out."""
+    results = await handle.broadcast("device_idle").results_async(return_exceptions=True)
+    return [r for r in results if isinstance(r, dict)]
+
+
 def start_ray(env: dict[str, str] | None = None, num_cpus: int = 16) -> None:
     """A local Ray + Serve (no dashboard, no HTTP proxy); env exported before ray.init."""
     import ray

@@ -22,6 +22,9 @@ the prompt tokens for greedy requests (same prompt, same output, like real greed
 decoding) or of the request id otherwise. Position-keyed, so a preempted request
 recomputes the same tokens and batch mates never matter. EOS ids and stop_token_ids are
 never emitted unless SimulatorConfig.eos_probability > 0.
+
+`device_idle` (a `DeviceIdleMeter`) counts how long the simulated GPU waited for the engine
+between steps that carry a batch on: the engine CPU time the cost model leaves out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.device_idle import DeviceIdleMeter
 from iterserve.replica.errors import DeviceFaultError, is_device_fault
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.replica.runner_base import CompletedStep, StepHandle
@@ -217,6 +221,8 @@ class SimulatedRunner:
         self.total_simulated_s = 0.0  # sum of modelled step times (before time_scale)
         self.num_steps = 0
         self._busy_until = 0.0  # when the last launched step ends on the simulated GPU
+        self.device_idle = DeviceIdleMeter()  # the engine's CPU time the GPU waited for
+        self._previous_batch: set[str] = set()
 
     # ---------------------------------------------------------------------------- memory
     @property
@@ -281,6 +287,10 @@ class SimulatedRunner:
         self.num_steps += 1
         if not self.sim.sleep:
             return CompletedStep(output)
+        batch = {s.request.request_id for s in scheduler_output.scheduled}
+        if not batch.isdisjoint(self._previous_batch):  # the engine stepped on at once
+            self.device_idle.record(len(batch), max(0.0, start - self._busy_until))
+        self._previous_batch = batch
         # The step starts after our own (tiny) CPU time, or when the previous step ends.
         done_at = max(start, self._busy_until) + modelled * self.sim.time_scale
         self._busy_until = done_at

@@ -1,0 +1,84 @@
+"""The simulated runner's DeviceIdleMeter: the engine CPU time its simulated GPU waits for.
+
+The meter's line fit and merging are checked on hand-made counts; the runner's recording is
+checked against an independent reading of the same engine (wall time minus modelled time
+over a stretch of sync steps, as `offline_bench.async_step_time` measures it), and against
+async scheduling, under which that CPU time hides behind the modelled step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
+from iterserve.replica.device_idle import DeviceIdleMeter, fit_idle, fit_report, merge_reports
+
+
+def test_fit_recovers_a_line_weighted_by_steps() -> None:
+    meter = DeviceIdleMeter()
+    for n, count in ((1, 10), (8, 30), (32, 5)):
+        for _ in range(count):
+            meter.record(n, 0.0003 + 0.00004 * n)
+    per_step, per_seq = fit_idle(meter)
+    assert per_step == pytest.approx(0.0003, rel=1e-6)
+    assert per_seq == pytest.approx(0.00004, rel=1e-6)
+    report = fit_report(meter)
+    assert report["steps"] == 45
+    assert report["mean_batch"] == pytest.approx((10 + 240 + 160) / 45)
+
+
+def test_reports_merge_across_replicas_and_one_size_gives_the_mean() -> None:
+    a, b = DeviceIdleMeter(), DeviceIdleMeter()
+    a.record(4, 0.001)
+    b.record(4, 0.003)
+    merged = merge_reports([a.report(), b.report()])
+    assert merged.steps == {4: 2} and merged.idle_s[4] == pytest.approx(0.004)
+    assert fit_idle(merged) == (pytest.approx(0.002), 0.0)
+    with pytest.raises(ValueError, match="nothing measured"):
+        fit_idle(DeviceIdleMeter())
+
+
+def _busy_engine(async_scheduling: bool, num_running: int = 8) -> LLMEngine:
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        runner="simulated", async_scheduling=async_scheduling, max_num_seqs=num_running,
+        max_model_len=2048, enable_prefix_caching=False, simulator='{"a_s": 0.004}'))
+    for i in range(num_running):
+        prompt = [(i * 131 + j * 7) % 4000 + 1 for j in range(64)]
+        engine.add_request(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while not engine.scheduler.all_running_have_output() or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
+def _idle_over(engine: LLMEngine, steps: int) -> tuple[float, float, int]:
+    """(meter's idle seconds, wall minus modelled seconds, steps the meter counted)."""
+    runner = engine.runner
+    idle_before = sum(runner.device_idle.idle_s.values())
+    counted_before = sum(runner.device_idle.steps.values())
+    modelled_before = runner.total_simulated_s
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    return (sum(runner.device_idle.idle_s.values()) - idle_before,
+            wall - (runner.total_simulated_s - modelled_before),
+            sum(runner.device_idle.steps.values()) - counted_before)
+
+
+def test_sync_steps_wait_for_the_engine_as_wall_minus_modelled_says() -> None:
+    engine = _busy_engine(async_scheduling=False)
+    idle, excess, counted = _idle_over(engine, 40)
+    assert counted == 40  # every step carried on the batch before it
+    assert idle > 0.0  # the engine's CPU work is real
+    assert idle == pytest.approx(excess, rel=0.2, abs=0.002)
+
+
+def test_async_scheduling_hides_the_engine_cpu_behind_the_step() -> None:
+    sync_idle, _, _ = _idle_over(_busy_engine(async_scheduling=False), 40)
+    async_idle, _, counted = _idle_over(_busy_engine(async_scheduling=True), 40)
+    assert counted == 40
+    assert async_idle < sync_idle / 2
