@@ -20,9 +20,11 @@ engine -> driver) is not fitted: it is the median that `ray_path_latency` measur
 request in flight, passed as `ClusterSimConfig.dispatch_latency_s` / `stream_latency_s`.
 The report shows the simulator with and without it, the Ray run's own split of each TTFT
 around the engine (`RequestRecord` timestamps), and Ray's router beside ours. With
-`--engine-cpu` (engine_cpu_overhead's JSON) the simulated replicas' steps also last the
-engine's own CPU time per step, which the simulated runner does not overlap with its
-modelled GPU time and the cost model leaves out.
+`--engine-cpu` the simulated replicas' steps also last the engine's own CPU time per step,
+which the simulated runner does not overlap with its modelled GPU time and the cost model
+leaves out: `--engine-cpu measured` takes what each Ray run's own replicas measured (their
+simulated runners' `DeviceIdleMeter`, recorded by routing_experiment since 2026-12-03);
+a path takes engine_cpu_overhead's JSON (one quiet process: a lower bound).
 Writes loadtests/results/sim_validation.md (floor: p50 / p99 TTFT and throughput within
 15 % per router).
 """
@@ -124,15 +126,41 @@ def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
         dispatch_latency_s=dispatch_latency_s, stream_latency_s=stream_latency_s)
 
 
-def read_engine_cpu(path: Path | None) -> EngineCpu:
-    """engine_cpu_overhead's fit (per step, per sequence), or none."""
-    if path is None:
+MEASURED = "measured"  # --engine-cpu: each Ray run's own replicas' measurement
+
+
+def read_engine_cpu(spec: str | None, summary: dict[str, Any] | None = None) -> EngineCpu:
+    """The engine CPU term (per step, per sequence): none; MEASURED, the fit the Ray run's
+    replicas measured (`summary["engine_cpu"]`, from their simulated runners'
+    DeviceIdleMeter); or the path of engine_cpu_overhead's JSON."""
+    if spec is None:
         return (0.0, 0.0)
-    fit = json.loads(path.read_text())
+    if spec == MEASURED:
+        if summary is None or "engine_cpu" not in summary:
+            arm = None if summary is None else summary.get("arm")
+            raise SystemExit(f"the Ray run of {arm!r} did not record its engine CPU "
+                             "(routing_experiment before the replicas' DeviceIdleMeter)")
+        fit = summary["engine_cpu"]
+    else:
+        fit = json.loads(Path(spec).read_text())
     return (float(fit["per_step_s"]), float(fit["per_seq_s"]))
 
 
-def pooled_summary(results: Sequence[SimResult]) -> dict[str, Any]:
+def k_run_p99_range(per_seed: Sequence[Sequence[float]], k: int, draws: int = 1000
+                    ) -> tuple[float, float]:
+    """The simulator's own run-to-run spread at the Ray side's sample size: the 2.5th and
+    97.5th percentiles of the pooled p99 TTFT of `draws` random k-seed pools (seeds drawn
+    without replacement; a fixed RNG, so the report is reproducible)."""
+    if not 1 <= k <= len(per_seed):
+        raise ValueError(f"k must be in [1, {len(per_seed)}], got {k}")
+    rng = random.Random(0)
+    p99s = sorted(percentile([t for i in rng.sample(range(len(per_seed)), k)
+                              for t in per_seed[i]], 99) for _ in range(draws))
+    return percentile(p99s, 2.5), percentile(p99s, 97.5)
+
+
+def pooled_summary(results: Sequence[SimResult], k_runs: int = 1) -> dict[str, Any]:
+    """The simulator runs pooled; `k_runs` (the Ray arm's run count) sizes the k-run range."""
     ttfts = [t for r in results for t in r.ttfts()]
     gaps: dict[float, int] = {}
     for r in results:
@@ -144,6 +172,9 @@ def pooled_summary(results: Sequence[SimResult]) -> dict[str, Any]:
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
             "ttft_p99_per_seed_s": [r.ttft_percentile(99) for r in results],
+            "k_runs": k_runs,
+            "ttft_p99_k_run_95_s": k_run_p99_range([r.ttfts() for r in results],
+                                                   min(k_runs, len(results))),
             "throughput_tok_s": sum(r.throughput() for r in results) / len(results),
             "preemptions": sum(sum(x.preemptions for x in r.records) for r in results)
             / len(results),
@@ -185,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=RESULTS_DIR / "ray_path_latency.json",
                         help="ray_path_latency's JSON: its dispatch / return medians become "
                              "the simulator's dispatch_latency_s / stream_latency_s")
-    parser.add_argument("--engine-cpu", type=Path, default=None,
-                        help="engine_cpu_overhead's JSON: the engine's CPU time per step "
-                             "(which the simulated runner does not overlap) added to the "
-                             "simulated replicas' step times; default none")
+    parser.add_argument("--engine-cpu", default=None,
+                        help="the engine's CPU time per step (which the simulated runner "
+                             "does not overlap) added to the simulated replicas' step "
+                             f"times: '{MEASURED}' (what each Ray run's replicas measured) "
+                             "or engine_cpu_overhead's JSON; default none")
     parser.add_argument("--seeds", type=int, default=8, help="simulator runs per arm")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sim_validation.md")
     args = parser.parse_args(argv)
@@ -196,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = ray["meta"]
     probe = json.loads(args.ray_path_latency.read_text())
     dispatch_s, stream_s = float(probe["dispatch_p50_s"]), float(probe["return_p50_s"])
-    engine_cpu = read_engine_cpu(args.engine_cpu)
     workload = WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v
                                  for k, v in meta["workload"].items()})
     requests = sim_workload(workload)
@@ -204,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     for result in ray["results"]:
         arm, label = result["summary"]["arm"], result["label"]
         t0 = time.process_time()
+        engine_cpu = read_engine_cpu(args.engine_cpu, result["summary"])
         sims = {}
         for sim_kind, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
             runs = [simulate(requests, [sim_router(arm, float(meta["period_s"]),
@@ -211,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                              int(meta["num_replicas"]),
                              sim_config(meta, seed, *latency, engine_cpu=engine_cpu))
                     for seed in range(args.seeds)]
-            sims[sim_kind] = pooled_summary(runs)
+            sims[sim_kind] = pooled_summary(runs, int(result["summary"].get("runs", 1)))
         rows.append(Row(label, result["summary"], sims["path"], sims["engine"],
-                        time.process_time() - t0))
+                        time.process_time() - t0, engine_cpu))
     command = ("python -m iterserve.loadtests.sim_validation --ray-results "
                + " ".join(p.name for p in args.ray_results)
                + f" --ray-path-latency {args.ray_path_latency.name} --seeds {args.seeds}"
-               + (f" --engine-cpu {args.engine_cpu.name}" if args.engine_cpu else ""))
+               + (f" --engine-cpu {Path(args.engine_cpu).name}" if args.engine_cpu else ""))
     text = write_report(rows, ray, probe, command, args.seeds)
     args.out.write_text(text)
     print(text)

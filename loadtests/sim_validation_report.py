@@ -26,6 +26,7 @@ class Row:
     sim: dict[str, Any]  # pooled simulator summary, with the Ray-path latency
     engine_sim: dict[str, Any]  # the same without it
     sim_cpu_s: float
+    engine_cpu: tuple[float, float] = (0.0, 0.0)  # the term added: s per step, per sequence
 
 
 def ratio(sim: float, ray: float) -> float:
@@ -46,6 +47,13 @@ def _seed_range(sim: dict[str, Any]) -> str:
     return f"{seeds[0]:.2f} / {percentile(seeds, 50):.2f} / {seeds[-1]:.2f}"
 
 
+def _k_run_range(sim: dict[str, Any], ray_p99: float) -> str:
+    """The simulator's p99 spread at Ray's sample size, and whether Ray's p99 falls in it."""
+    low, high = sim["ttft_p99_k_run_95_s"]
+    inside = "inside" if low <= ray_p99 <= high else "OUTSIDE"
+    return f"k={sim['k_runs']}: {low:.2f}-{high:.2f} (Ray's {inside})"
+
+
 def seed_rank(sim: dict[str, Any], ray_value: float) -> float:
     """The share of simulator seeds whose own p99 is below Ray's: where one Ray run's p99
     falls in the simulator's run-to-run spread (0.5: the middle)."""
@@ -56,10 +64,10 @@ def seed_rank(sim: dict[str, Any], ray_value: float) -> float:
 def main_table(rows: list[Row]) -> list[str]:
     lines = ["| router | Ray box load (1 min, at end) | TTFT p50 Ray / sim (s) | ratio "
              "| TTFT p99 Ray / sim (s) | ratio | sim p99 per seed min / median / max (s) "
-             "| seeds below Ray's p99 "
+             "| seeds below Ray's p99 | sim p99 95 % range of k-seed pools, k = Ray's runs "
              "| throughput Ray / sim (tok/s) | ratio | floor p50 / p99 / throughput "
              "| ITL p99 Ray / sim (s) | preemptions Ray / sim | prefix hit rate Ray / sim |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         r, s = row.ray, row.sim
         ratios = [ratio(s[k], r[k]) for k in ("ttft_p50_s", "ttft_p99_s", "throughput_tok_s")]
@@ -68,6 +76,7 @@ def main_table(rows: list[Row]) -> list[str]:
             f"{r['ttft_p50_s']:.3f} / {s['ttft_p50_s']:.3f} | {ratios[0]:.2f} | "
             f"{r['ttft_p99_s']:.3f} / {s['ttft_p99_s']:.3f} | {ratios[1]:.2f} | "
             f"{_seed_range(s)} | {seed_rank(s, r['ttft_p99_s']):.2f} | "
+            f"{_k_run_range(s, r['ttft_p99_s'])} | "
             f"{r['throughput_tok_s']:.0f} / {s['throughput_tok_s']:.0f} | "
             f"{ratios[2]:.2f} | {' / '.join(verdict(x) for x in ratios)} | "
             f"{r['itl_p99_s']:.3f} / {s['itl_p99_s']:.3f} | "
@@ -133,6 +142,20 @@ def reimplementation_table(rows: list[Row]) -> list[str]:
     return lines
 
 
+def engine_cpu_table(rows: list[Row]) -> list[str]:
+    """The engine CPU term each arm's simulation used, beside what its Ray run measured."""
+    lines = ["| router | term used: per step + per sequence (ms) | Ray run's replicas: mean "
+             "wait per step (ms) at mean batch | steps measured |", "|---|---|---|---|"]
+    for row in rows:
+        measured = row.ray.get("engine_cpu")
+        seen = ("not recorded" if measured is None else
+                f"{measured['mean_idle_s'] * 1e3:.2f} at {measured['mean_batch']:.1f}")
+        steps = "" if measured is None else f"{measured['steps']:.0f}"
+        lines.append(f"| {row.arm} | {row.engine_cpu[0] * 1e3:.3f} + "
+                     f"{row.engine_cpu[1] * 1e3:.4f} | {seen} | {steps} |")
+    return lines
+
+
 def write_report(rows: list[Row], ray: dict[str, Any], probe: dict[str, Any], command: str,
                  seeds: int) -> str:
     meta = ray["meta"]
@@ -152,6 +175,8 @@ def write_report(rows: list[Row], ray: dict[str, Any], probe: dict[str, Any], co
         f"{1 - FLOOR:.2f}-{1 + FLOOR:.2f}.", "",
         "## Simulator (with the measured Ray-path latency) vs Ray", "",
         *main_table(rows), "",
+        "## The engine CPU term (added to every simulated step, real seconds)", "",
+        *engine_cpu_table(rows), "",
         "## The simulator without the Ray-path latency (engine alone)", "",
         *engine_only_table(rows), "",
         "## Where each Ray TTFT went, ms (the run's own timestamps; sim: engine alone)", "",

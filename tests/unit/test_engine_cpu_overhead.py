@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from iterserve.loadtests.engine_cpu_overhead import fit_line, measure
-from iterserve.loadtests.sim_validation import read_engine_cpu, sim_config
+from iterserve.loadtests.sim_validation import MEASURED, read_engine_cpu, sim_config
 from iterserve.replica.sim_runner import CostModel
 
 META = {"time_scale": 5.0, "period_s": 0.5,
@@ -28,7 +28,7 @@ def test_sim_config_adds_the_engine_cpu_unscaled(tmp_path: Path) -> None:
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({"per_step_s": 0.0003, "per_seq_s": 0.00004}))
     plain = sim_config(META, seed=1).sim.cost
-    loaded = sim_config(META, seed=1, engine_cpu=read_engine_cpu(path)).sim.cost
+    loaded = sim_config(META, seed=1, engine_cpu=read_engine_cpu(str(path))).sim.cost
     base = CostModel()
     assert plain.a_s == base.a_s * 5.0 and plain.c_s_per_decode_seq == base.c_s_per_decode_seq * 5.0
     assert loaded.a_s == base.a_s * 5.0 + 0.0003
@@ -36,6 +36,14 @@ def test_sim_config_adds_the_engine_cpu_unscaled(tmp_path: Path) -> None:
     assert (loaded.b_s_per_prefill_token, loaded.d_s_per_kv_token) \
         == (plain.b_s_per_prefill_token, plain.d_s_per_kv_token)
     assert read_engine_cpu(None) == (0.0, 0.0)
+
+
+def test_measured_reads_the_ray_runs_own_fit_and_refuses_a_run_without_one() -> None:
+    summary = {"arm": "pow2 (Ray default)",
+               "engine_cpu": {"per_step_s": 0.002, "per_seq_s": 0.0001, "steps": 9e3}}
+    assert read_engine_cpu(MEASURED, summary) == (0.002, 0.0001)
+    with pytest.raises(SystemExit, match="did not record its engine CPU"):
+        read_engine_cpu(MEASURED, {"arm": "KVAware"})
 
 
 def test_the_probe_measures_a_positive_cpu_time_per_step() -> None:
