@@ -145,14 +145,19 @@ def reimplementation_table(rows: list[Row]) -> list[str]:
 def engine_cpu_table(rows: list[Row]) -> list[str]:
     """The engine CPU term each arm's simulation used, beside what its Ray run measured."""
     lines = ["| router | term used: per step + per sequence (ms) | Ray run's replicas: mean "
-             "wait per step (ms) at mean batch | steps measured |", "|---|---|---|---|"]
+             "wait per step (ms) at mean batch | single waits p50 / p99 / p99.9 / max (ms, "
+             "bucket floors) | steps measured |", "|---|---|---|---|---|"]
     for row in rows:
         measured = row.ray.get("engine_cpu")
         seen = ("not recorded" if measured is None else
                 f"{measured['mean_idle_s'] * 1e3:.2f} at {measured['mean_batch']:.1f}")
+        spread = "not recorded"
+        if measured is not None and "p99_idle_s" in measured:
+            spread = " / ".join(f"{measured[k] * 1e3:.2f}" for k in
+                                ("p50_idle_s", "p99_idle_s", "p999_idle_s", "max_idle_s"))
         steps = "" if measured is None else f"{measured['steps']:.0f}"
         lines.append(f"| {row.arm} | {row.engine_cpu[0] * 1e3:.3f} + "
-                     f"{row.engine_cpu[1] * 1e3:.4f} | {seen} | {steps} |")
+                     f"{row.engine_cpu[1] * 1e3:.4f} | {seen} | {spread} | {steps} |")
     return lines
 
 

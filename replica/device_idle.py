@@ -10,13 +10,32 @@ box with the rest of the cluster), not in a quiet process.
 
 Only gaps before a step that carries on a request from the step before count: then the
 engine had unfinished work and stepped again at once, so the gap is CPU time, not idleness.
-Kept as count and summed seconds per batch size, so reports from several replicas add up.
+Kept as count and summed seconds per batch size, so reports from several replicas add up,
+and as a histogram of single waits (log-spaced buckets, BUCKETS_PER_DECADE a decade from
+1 us): a mean hides the long waits a loaded box gives a replica now and then (the OS runs
+another process), and a TTFT tail is made of those.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+BUCKETS_PER_DECADE = 20  # a bucket spans 12 % of its value
+SMALLEST_S = 1e-6  # waits below this fall in bucket -1 (read as 0)
+
+
+def wait_bucket(idle_s: float) -> int:
+    """The histogram bucket of one wait: b covers [SMALLEST_S * 10**(b / 20), ... (b + 1))."""
+    if idle_s < SMALLEST_S:
+        return -1
+    return math.floor(math.log10(idle_s / SMALLEST_S) * BUCKETS_PER_DECADE)
+
+
+def bucket_floor_s(bucket: int) -> float:
+    """The smallest wait in a bucket (0 for bucket -1)."""
+    return 0.0 if bucket < 0 else SMALLEST_S * 10 ** (bucket / BUCKETS_PER_DECADE)
 
 
 @dataclass
@@ -25,15 +44,35 @@ class DeviceIdleMeter:
 
     steps: dict[int, int] = field(default_factory=dict)
     idle_s: dict[int, float] = field(default_factory=dict)
+    histogram: dict[int, int] = field(default_factory=dict)  # wait_bucket -> waits counted
 
     def record(self, num_seqs: int, idle_s: float) -> None:
         self.steps[num_seqs] = self.steps.get(num_seqs, 0) + 1
         self.idle_s[num_seqs] = self.idle_s.get(num_seqs, 0.0) + idle_s
+        bucket = wait_bucket(idle_s)
+        self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
 
     def report(self) -> dict[str, dict[str, float]]:
-        """Plain data (JSON keys are strings): {"steps": {n: count}, "idle_s": {n: sum}}."""
+        """Plain data (JSON keys are strings): {"steps": {n: count}, "idle_s": {n: sum},
+        "histogram": {bucket: count}}."""
         return {"steps": {str(n): float(c) for n, c in sorted(self.steps.items())},
-                "idle_s": {str(n): s for n, s in sorted(self.idle_s.items())}}
+                "idle_s": {str(n): s for n, s in sorted(self.idle_s.items())},
+                "histogram": {str(b): float(c) for b, c in sorted(self.histogram.items())}}
+
+    def quantile_s(self, q: float) -> float:
+        """The q-quantile of the single waits, to the bucket: the floor of the bucket that
+        holds it (so within 12 % below the true value). ValueError when nothing was counted."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be in [0, 1], got {q}")
+        total = sum(self.histogram.values())
+        if total == 0:
+            raise ValueError("no wait counted")
+        rank, seen = q * total, 0
+        for bucket, count in sorted(self.histogram.items()):
+            seen += count
+            if seen >= rank:
+                return bucket_floor_s(bucket)
+        return bucket_floor_s(max(self.histogram))
 
 
 def merge_reports(reports: Iterable[Mapping[str, Mapping[str, float]]]) -> DeviceIdleMeter:
@@ -43,6 +82,8 @@ def merge_reports(reports: Iterable[Mapping[str, Mapping[str, float]]]) -> Devic
         for n, count in report["steps"].items():
             merged.steps[int(n)] = merged.steps.get(int(n), 0) + int(count)
             merged.idle_s[int(n)] = merged.idle_s.get(int(n), 0.0) + report["idle_s"][n]
+        for b, count in report.get("histogram", {}).items():  # absent in reports before it
+            merged.histogram[int(b)] = merged.histogram.get(int(b), 0) + int(count)
     return merged
 
 
@@ -67,9 +108,15 @@ def fit_idle(meter: DeviceIdleMeter) -> tuple[float, float]:
 
 
 def fit_report(meter: DeviceIdleMeter) -> dict[str, float]:
-    """What `sim_validation --engine-cpu measured` reads: the fit, and the plain mean."""
+    """What `sim_validation --engine-cpu measured` reads: the fit and the plain mean; and the
+    single waits' p50 / p90 / p99 / p999 / max (bucket floors) where the meter kept them."""
     per_step, per_seq = fit_idle(meter)
     steps = sum(meter.steps.values())
     mean_seqs = sum(n * c for n, c in meter.steps.items()) / steps
-    return {"per_step_s": per_step, "per_seq_s": per_seq, "steps": float(steps),
-            "mean_idle_s": sum(meter.idle_s.values()) / steps, "mean_batch": mean_seqs}
+    report = {"per_step_s": per_step, "per_seq_s": per_seq, "steps": float(steps),
+              "mean_idle_s": sum(meter.idle_s.values()) / steps, "mean_batch": mean_seqs}
+    if meter.histogram:
+        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)):
+            report[f"{name}_idle_s"] = meter.quantile_s(q)
+        report["max_idle_s"] = bucket_floor_s(max(meter.histogram))
+    return report

@@ -13,7 +13,14 @@ import time
 import pytest
 
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
-from iterserve.replica.device_idle import DeviceIdleMeter, fit_idle, fit_report, merge_reports
+from iterserve.replica.device_idle import (
+    DeviceIdleMeter,
+    bucket_floor_s,
+    fit_idle,
+    fit_report,
+    merge_reports,
+    wait_bucket,
+)
 
 
 def test_fit_recovers_a_line_weighted_by_steps() -> None:
@@ -38,6 +45,41 @@ def test_reports_merge_across_replicas_and_one_size_gives_the_mean() -> None:
     assert fit_idle(merged) == (pytest.approx(0.002), 0.0)
     with pytest.raises(ValueError, match="nothing measured"):
         fit_idle(DeviceIdleMeter())
+
+
+def test_buckets_hold_their_waits_within_twelve_percent() -> None:
+    for wait in (1e-6, 3.3e-5, 0.002, 0.0479, 1.7):
+        bucket = wait_bucket(wait)
+        assert bucket_floor_s(bucket) <= wait * (1 + 1e-12)
+        assert wait < bucket_floor_s(bucket + 1) * (1 + 1e-12)
+        assert bucket_floor_s(bucket + 1) / bucket_floor_s(bucket) == pytest.approx(10 ** 0.05)
+    assert wait_bucket(0.0) == -1 and bucket_floor_s(-1) == 0.0
+
+
+def test_quantiles_read_the_tail_a_mean_hides() -> None:
+    # 990 steps wait 1 ms, 10 wait 80 ms: the mean (1.8 ms) says nothing of the 80 ms ones
+    a, b = DeviceIdleMeter(), DeviceIdleMeter()
+    for i in range(990):
+        (a if i % 2 else b).record(4, 0.001)
+    for _ in range(10):
+        b.record(4, 0.080)
+    merged = merge_reports([a.report(), b.report()])
+    assert sum(merged.histogram.values()) == 1000
+    report = fit_report(merged)
+    assert report["mean_idle_s"] == pytest.approx(0.00179)
+    assert 0.00089 < report["p50_idle_s"] <= 0.001
+    assert 0.00089 < report["p99_idle_s"] <= 0.001  # the 990th wait is still a 1 ms one
+    assert 0.071 < report["p999_idle_s"] <= 0.080
+    assert report["max_idle_s"] == report["p999_idle_s"]
+    with pytest.raises(ValueError, match="no wait counted"):
+        DeviceIdleMeter().quantile_s(0.5)
+
+
+def test_reports_from_before_the_histogram_still_merge() -> None:
+    old = {"steps": {"2": 3.0}, "idle_s": {"2": 0.006}}
+    merged = merge_reports([old])
+    assert merged.histogram == {} and fit_report(merged)["mean_idle_s"] == pytest.approx(0.002)
+    assert "p99_idle_s" not in fit_report(merged)
 
 
 def _busy_engine(async_scheduling: bool, num_running: int = 8) -> LLMEngine:

@@ -47,5 +47,10 @@ def test_the_report_says_whether_ray_falls_in_the_spread_and_shows_the_term() ->
     assert "k=2: 0.85-1.20 (Ray's inside)" in table
     assert "k=2: 0.85-1.20 (Ray's OUTSIDE)" in table
     cpu = "\n".join(engine_cpu_table([inside, outside]))
-    assert "| a | 2.000 + 0.1000 | not recorded |" in cpu
-    assert "| b | 2.000 + 0.1000 | 3.50 at 15.0 | 5000 |" in cpu
+    assert "| a | 2.000 + 0.1000 | not recorded | not recorded |" in cpu
+    assert "| b | 2.000 + 0.1000 | 3.50 at 15.0 | not recorded | 5000 |" in cpu
+    spread = _row("c", 1.0, {"per_step_s": 0.002, "per_seq_s": 0.0001, "steps": 900.0,
+                             "mean_idle_s": 0.0035, "mean_batch": 15.0, "p50_idle_s": 0.001,
+                             "p99_idle_s": 0.02, "p999_idle_s": 0.05, "max_idle_s": 0.09})
+    assert "| c | 2.000 + 0.1000 | 3.50 at 15.0 | 1.00 / 20.00 / 50.00 / 90.00 | 900 |" \
+        in "\n".join(engine_cpu_table([spread]))
