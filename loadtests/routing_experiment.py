@@ -206,7 +206,10 @@ async def run_arm(name: str, idx: int, specs: Sequence[RequestSpec], num_replica
     summary = summarize(records, preemptions)
     summary["arm"] = name
     if idle:  # the replicas' engine CPU per step, as their simulated GPUs waited for it
-        summary["engine_cpu"] = fit_report(merge_reports(idle))
+        merged = merge_reports(idle)
+        summary["engine_cpu"] = fit_report(merged)
+        # every single wait, bucketed: what a simulator would draw each step's wait from
+        summary["engine_cpu_waits"] = merged.report()["histogram"]
     summary["loadavg_1m_at_end"] = os.getloadavg()[0]  # other work on a shared machine
     print(f"[{name}] {json.dumps(summary)}", flush=True)
     await asyncio.wait_for(asyncio.to_thread(serve.delete, app_name), 180)
