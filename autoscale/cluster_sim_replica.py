@@ -23,6 +23,7 @@ compares the JSON of both byte for byte).
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
@@ -108,6 +109,9 @@ class SimReplica:
         self._output_token: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
+        self.engine_waits = config.engine_waits
+        # its own stream, so that drawing waits changes nothing else a seed decides
+        self._wait_rng = random.Random(f"engine-waits:{config.seed}:{replica_id}")
 
     @property
     def now(self) -> float:
@@ -166,7 +170,7 @@ class SimReplica:
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
         if self.step_end is None:
-            self._start_step(now)
+            self._start_step(now, continuing=False)
         return request
 
     def advance(self, now: float) -> None:
@@ -174,10 +178,12 @@ class SimReplica:
         while self.step_end is not None and self.step_end <= now:
             end = self.step_end
             self._end_step(end)
-            self._start_step(end)
+            self._start_step(end, continuing=True)
 
     # ------------------------------------------------------------------------ steps
-    def _start_step(self, now: float) -> None:
+    def _start_step(self, now: float, continuing: bool) -> None:
+        """continuing: it follows the replica's previous step at once (the engine had work
+        left), where an engine-CPU wait (config.engine_waits) comes before it."""
         self.clock.now = now
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests():
@@ -202,6 +208,9 @@ class SimReplica:
             return
         self._step = output
         duration = self.cost.step_time(prefill, decode_seqs, kv)
+        if self.engine_waits is not None and continuing:
+            num_seqs = len(output.scheduled) + (0 if self._step_is_full else len(self.decodes))
+            duration += self.engine_waits.draw(self._wait_rng.random(), num_seqs)
         self._step_prefill = (prefill, duration)
         self.step_end = now + duration
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
+from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import SimulatorConfig
 
 ITL_RESOLUTION_S = 1e-4  # inter-token gaps are counted in 0.1 ms bins
@@ -167,6 +168,11 @@ class ClusterSimConfig:
     (first_token, finish; ClusterSim._complete). Left out: routers here see a replica's
     stats and completions that many milliseconds sooner than on the real path (against a
     routing-stats period of hundreds).
+
+    engine_waits: where set, every step that follows its replica's previous step at once
+    lasts the cost model's time plus a wait drawn from it (the engine's own CPU time,
+    measured in a Ray run by the replicas' DeviceIdleMeter), from the replica's own seeded
+    stream.
     """
 
     sim: SimulatorConfig = field(default_factory=SimulatorConfig)
@@ -188,6 +194,7 @@ class ClusterSimConfig:
     # --- Ray path latency outside the replicas (see the docstring) ---
     dispatch_latency_s: float = 0.0
     stream_latency_s: float = 0.0
+    engine_waits: WaitDistribution | None = None  # engine CPU before each continuing step
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",

@@ -50,6 +50,7 @@ from iterserve.autoscale.routing_context import RouteRequest, RoutingContext, Ro
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.sim_validation_report import Row, write_report
+from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import CostModel, SimulatorConfig
 
 EngineCpu = tuple[float, float]  # the engine's CPU seconds per step, per decoding sequence
@@ -105,11 +106,12 @@ def sim_workload(workload: WorkloadConfig) -> list[SimRequest]:
 
 
 def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
-               stream_latency_s: float = 0.0, engine_cpu: EngineCpu = (0.0, 0.0)
-               ) -> ClusterSimConfig:
+               stream_latency_s: float = 0.0, engine_cpu: EngineCpu = (0.0, 0.0),
+               engine_waits: WaitDistribution | None = None) -> ClusterSimConfig:
     """The Ray run's engine in the simulator: the cost model slowed by its time_scale, plus
     `engine_cpu` (seconds per step, per decoding sequence: the engine's own CPU time, real
-    seconds, so not scaled; `engine_cpu_overhead` measures it)."""
+    seconds, so not scaled; `engine_cpu_overhead` measures it), or single waits drawn from
+    `engine_waits` before every step that continues a batch."""
     engine = meta["engine_kwargs"]
     scale = float(meta["time_scale"])
     base = CostModel()
@@ -123,10 +125,25 @@ def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
         num_blocks=engine["num_gpu_blocks_override"],
         enable_prefix_caching=engine["enable_prefix_caching"],
         routing_stats_period_s=float(meta["period_s"]), seed=seed,
-        dispatch_latency_s=dispatch_latency_s, stream_latency_s=stream_latency_s)
+        dispatch_latency_s=dispatch_latency_s, stream_latency_s=stream_latency_s,
+        engine_waits=engine_waits)
 
 
 MEASURED = "measured"  # --engine-cpu: each Ray run's own replicas' measurement
+MEASURED_WAITS = "measured-waits"  # --engine-cpu: drawn from their single waits
+
+
+def read_engine_waits(summary: dict[str, Any]) -> WaitDistribution:
+    """The Ray arm's single engine-CPU waits: its histogram (`engine_cpu_waits`) where the
+    run kept it, else the quantiles its fit report kept."""
+    fit = summary.get("engine_cpu")
+    if fit is None or "p99_idle_s" not in fit:
+        raise SystemExit(f"the Ray run of {summary.get('arm')!r} did not record its single "
+                         "engine-CPU waits (routing_experiment before 2026-12-04)")
+    if "engine_cpu_waits" in summary:
+        return WaitDistribution.from_histogram(summary["engine_cpu_waits"], fit["mean_idle_s"],
+                                               fit["per_seq_s"], fit["mean_batch"])
+    return WaitDistribution.from_quantiles(fit)
 
 
 def read_engine_cpu(spec: str | None, summary: dict[str, Any] | None = None) -> EngineCpu:
@@ -219,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-cpu", default=None,
                         help="the engine's CPU time per step (which the simulated runner "
                              "does not overlap) added to the simulated replicas' step "
-                             f"times: '{MEASURED}' (what each Ray run's replicas measured) "
-                             "or engine_cpu_overhead's JSON; default none")
+                             f"times: '{MEASURED}' (the line each Ray run's replicas "
+                             f"measured), '{MEASURED_WAITS}' (each step's wait drawn from "
+                             "their single waits, tail included) or engine_cpu_overhead's "
+                             "JSON; default none")
     parser.add_argument("--seeds", type=int, default=8, help="simulator runs per arm")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "sim_validation.md")
     args = parser.parse_args(argv)
@@ -235,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     for result in ray["results"]:
         arm, label = result["summary"]["arm"], result["label"]
         t0 = time.process_time()
-        engine_cpu = read_engine_cpu(args.engine_cpu, result["summary"])
+        waits = read_engine_waits(result["summary"]) if args.engine_cpu == MEASURED_WAITS \
+            else None
+        engine_cpu = read_engine_cpu(None if waits else args.engine_cpu, result["summary"])
         sims = {}
         for sim_kind, latency in (("engine", (0.0, 0.0)), ("path", (dispatch_s, stream_s))):
             runs = [simulate(requests, [sim_router(arm, float(meta["period_s"]),
                                                    result["router_config"])],
                              int(meta["num_replicas"]),
-                             sim_config(meta, seed, *latency, engine_cpu=engine_cpu))
+                             sim_config(meta, seed, *latency, engine_cpu=engine_cpu,
+                                        engine_waits=waits))
                     for seed in range(args.seeds)]
             sims[sim_kind] = pooled_summary(runs, int(result["summary"].get("runs", 1)))
         rows.append(Row(label, result["summary"], sims["path"], sims["engine"],

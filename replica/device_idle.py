@@ -18,6 +18,7 @@ another process), and a TTFT tail is made of those.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -120,3 +121,67 @@ def fit_report(meter: DeviceIdleMeter) -> dict[str, float]:
             report[f"{name}_idle_s"] = meter.quantile_s(q)
         report["max_idle_s"] = bucket_floor_s(max(meter.histogram))
     return report
+
+
+@dataclass(frozen=True)
+class WaitDistribution:
+    """Single engine-CPU waits to draw from, one per simulated step that continues a batch
+    (the cluster simulator's stand-in for the meter's measurement, tail included).
+
+    values[i] is drawn with probability weights[i] / sum(weights); `per_seq_s` moves a draw
+    by the meter's slope for a batch larger or smaller than the measured mean
+    (`draw(u, n) = max(0, values[i] + per_seq_s * (n - mean_batch))`), so the mean wait at
+    the mean batch is the measured one."""
+
+    values: tuple[float, ...]
+    weights: tuple[float, ...]
+    per_seq_s: float = 0.0
+    mean_batch: float = 0.0
+    _cumulative: tuple[float, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        if not self.values or len(self.values) != len(self.weights):
+            raise ValueError("values and weights must be non-empty and aligned")
+        if min(self.weights) < 0 or sum(self.weights) <= 0 or min(self.values) < 0:
+            raise ValueError("weights and values must be >= 0, with some weight")
+        cumulative, total = [], 0.0
+        for weight in self.weights:
+            total += weight
+            cumulative.append(total)
+        object.__setattr__(self, "_cumulative", tuple(c / total for c in cumulative))
+
+    @classmethod
+    def from_histogram(cls, histogram: Mapping[str, float], mean_idle_s: float,
+                       per_seq_s: float = 0.0, mean_batch: float = 0.0) -> WaitDistribution:
+        """From a meter's report()["histogram"]: each bucket's geometric middle, every value
+        scaled so that the distribution's mean is mean_idle_s (the meter's exact mean)."""
+        buckets = sorted((int(b), float(c)) for b, c in histogram.items())
+        middles = [0.0 if b < 0 else bucket_floor_s(b) * 10 ** (0.5 / BUCKETS_PER_DECADE)
+                   for b, _ in buckets]
+        weights = [c for _, c in buckets]
+        mean = sum(m * w for m, w in zip(middles, weights, strict=True)) / sum(weights)
+        scale = mean_idle_s / mean if mean > 0 else 0.0
+        return cls(tuple(m * scale for m in middles), tuple(weights), per_seq_s, mean_batch)
+
+    @classmethod
+    def from_quantiles(cls, fit: Mapping[str, float]) -> WaitDistribution:
+        """From a fit_report's p50 / p90 / p99 / p999 / max and mean (a Ray run recorded
+        before the histogram itself was kept): one value per quantile band, the tail's
+        bands (above p90) at their measured middles, the two body bands scaled together so
+        that the mean is the measured mean (the body at 0 where the tail alone exceeds it)."""
+        p50, p90, p99 = fit["p50_idle_s"], fit["p90_idle_s"], fit["p99_idle_s"]
+        p999, top = fit["p999_idle_s"], fit["max_idle_s"]
+        weights = (0.5, 0.4, 0.09, 0.009, 0.001)
+        tail = ((p90 + p99) / 2, (p99 + p999) / 2, (p999 + top) / 2)
+        body = (p50, (p50 + p90) / 2)
+        body_mass = sum(w * v for w, v in zip(weights[:2], body, strict=True))
+        tail_mass = sum(w * v for w, v in zip(weights[2:], tail, strict=True))
+        scale = max(0.0, fit["mean_idle_s"] - tail_mass) / body_mass if body_mass > 0 else 0.0
+        return cls((body[0] * scale, body[1] * scale, *tail), weights,
+                   fit.get("per_seq_s", 0.0), fit.get("mean_batch", 0.0))
+
+    def draw(self, u: float, num_seqs: int) -> float:
+        """The wait for uniform u in [0, 1) and a batch of num_seqs requests."""
+        i = bisect.bisect_right(self._cumulative, u)
+        wait = self.values[min(i, len(self.values) - 1)]
+        return max(0.0, wait + self.per_seq_s * (num_seqs - self.mean_batch))

@@ -13,7 +13,7 @@ from iterserve.autoscale.cluster_sim_policies import (
     IterserveAutoscaler,
     IterserveRouter,
 )
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import AutoscaleConfig
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.router_policy import InFlightTracker
@@ -202,3 +202,25 @@ def test_scale_from_zero_when_requests_wait() -> None:
     result = simulate(quiet_then_busy, [IterserveRouter()], 1, config, scaler)
     assert result.num_finished == 20
     assert min(running for _, running, _, _ in result.replicas_over_time) == 0
+
+
+def test_engine_waits_lengthen_steps_deterministically_and_alike_on_both_paths() -> None:
+    """A wait drawn before each continuing step (sim_validation --engine-cpu
+    measured-waits): same JSON on the fast path and step by step, the same again on a
+    rerun, nothing changed by a distribution of zeros (its own RNG stream), TTFT longer."""
+    from iterserve.replica.device_idle import WaitDistribution
+
+    workload = make_workload(200, rate=25.0, seed=5)
+    waits = WaitDistribution((0.0005, 0.002, 0.05), (0.6, 0.39, 0.01), 0.0001, 4.0)
+
+    def run(engine_waits: WaitDistribution | None, fast: bool = True) -> SimResult:
+        config = ClusterSimConfig(**{**SMALL.__dict__, "engine_waits": engine_waits,
+                                     "fast_forward": fast})
+        return simulate(workload, [IterserveRouter()], 2, config)
+
+    with_waits = run(waits)
+    assert with_waits.to_json() == run(waits).to_json() == run(waits, fast=False).to_json()
+    without = run(None)
+    assert run(WaitDistribution((0.0,), (1.0,))).to_json() == without.to_json()
+    assert with_waits.num_finished == without.num_finished == len(workload)
+    assert with_waits.ttft_percentile(50) > without.ttft_percentile(50)

@@ -15,6 +15,7 @@ import pytest
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
 from iterserve.replica.device_idle import (
     DeviceIdleMeter,
+    WaitDistribution,
     bucket_floor_s,
     fit_idle,
     fit_report,
@@ -124,3 +125,31 @@ def test_async_scheduling_hides_the_engine_cpu_behind_the_step() -> None:
     async_idle, _, counted = _idle_over(_busy_engine(async_scheduling=True), 40)
     assert counted == 40
     assert async_idle < sync_idle / 2
+
+
+def test_a_wait_distribution_from_a_histogram_keeps_the_measured_mean() -> None:
+    meter = DeviceIdleMeter()
+    for i in range(1000):
+        meter.record(4, 0.080 if i % 100 == 0 else 0.001 + 0.00001 * (i % 7))
+    report = fit_report(meter)
+    waits = WaitDistribution.from_histogram(meter.report()["histogram"], report["mean_idle_s"])
+    total = sum(waits.weights)
+    mean = sum(v * w for v, w in zip(waits.values, waits.weights, strict=True)) / total
+    assert mean == pytest.approx(report["mean_idle_s"], rel=1e-9)
+    draws = [waits.draw(i / 10_000, 4) for i in range(10_000)]
+    assert sum(draws) / len(draws) == pytest.approx(report["mean_idle_s"], rel=0.02)
+    assert max(draws) > 0.07 and sorted(draws)[5000] < 0.0012  # tail and body both kept
+
+
+def test_a_wait_distribution_from_quantiles_keeps_the_tail_and_the_mean() -> None:
+    fit = {"mean_idle_s": 0.003, "p50_idle_s": 0.001, "p90_idle_s": 0.002, "p99_idle_s": 0.02,
+           "p999_idle_s": 0.06, "max_idle_s": 0.2, "per_seq_s": 0.0001, "mean_batch": 3.0}
+    waits = WaitDistribution.from_quantiles(fit)
+    mean = sum(v * w for v, w in zip(waits.values, waits.weights, strict=True))
+    assert mean == pytest.approx(0.003)
+    assert waits.values[2:] == (0.011, 0.04, 0.13)  # band middles above p90, as measured
+    assert waits.draw(0.9995, 3) == pytest.approx(0.13)
+    assert waits.draw(0.9995, 5) == pytest.approx(0.1302)  # the slope, per request
+    assert waits.draw(0.1, 0) >= 0.0
+    with pytest.raises(ValueError):
+        WaitDistribution((), ())

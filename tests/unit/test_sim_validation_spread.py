@@ -54,3 +54,20 @@ def test_the_report_says_whether_ray_falls_in_the_spread_and_shows_the_term() ->
                              "p99_idle_s": 0.02, "p999_idle_s": 0.05, "max_idle_s": 0.09})
     assert "| c | 2.000 + 0.1000 | 3.50 at 15.0 | 1.00 / 20.00 / 50.00 / 90.00 | 900 |" \
         in "\n".join(engine_cpu_table([spread]))
+
+
+def test_measured_waits_come_from_the_histogram_else_the_quantiles() -> None:
+    from iterserve.loadtests.sim_validation import read_engine_waits
+
+    fit = {"per_step_s": 0.001, "per_seq_s": 0.0001, "steps": 100.0, "mean_idle_s": 0.003,
+           "mean_batch": 3.0, "p50_idle_s": 0.001, "p90_idle_s": 0.002, "p99_idle_s": 0.02,
+           "p999_idle_s": 0.06, "max_idle_s": 0.2}
+    from_quantiles = read_engine_waits({"arm": "a", "engine_cpu": fit})
+    assert len(from_quantiles.values) == 5 and from_quantiles.values[-1] == pytest.approx(0.13)
+    from_histogram = read_engine_waits({"arm": "a", "engine_cpu": fit,
+                                        "engine_cpu_waits": {"60": 90.0, "100": 10.0}})
+    mean = sum(v * w for v, w in zip(from_histogram.values, from_histogram.weights,
+                                     strict=True)) / 100.0
+    assert len(from_histogram.values) == 2 and mean == pytest.approx(0.003)
+    with pytest.raises(SystemExit, match="single"):
+        read_engine_waits({"arm": "old", "engine_cpu": {"mean_idle_s": 0.002}})
