@@ -3,16 +3,16 @@
 A cache-aware router asks every replica "how many leading tokens of this prompt do you
 cache?" (`ReplicaView.cached_prefix_tokens`) for every request: at 64-256 replicas, building
 the prompt's block keys once per replica was most of the simulator's time. The keys are the
-ones `BlockManager.find_cached_prefix` builds, (hash of the previous key, the block's
-tokens), so the answer is the same; they are built only as deep as some replica's cache
-reaches (most answers stop at the first block).
+chain hashes `BlockManager.find_cached_prefix` builds (`block_hash`), so the answer is the
+same; they are built only as deep as some replica's cache reaches (most answers stop at the
+first block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from iterserve.replica.block_manager import BlockKey, block_tokens
+from iterserve.replica.block_manager import ROOT_HASH, BlockHash, block_hash, block_tokens
 
 
 class PromptBlockKeys:
@@ -21,17 +21,17 @@ class PromptBlockKeys:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._prompt: Sequence[int] | None = None  # held, so that its id is not reused
-        self._keys: list[BlockKey] = []
+        self._keys: list[BlockHash] = []
         self._max_blocks = 0
 
-    def first_key(self, token_ids: Sequence[int]) -> BlockKey | None:
+    def first_key(self, token_ids: Sequence[int]) -> BlockHash | None:
         """The key of the prompt's first block, None if no block of it can be a hit."""
         self._start(token_ids)
         if self._max_blocks == 0:
             return None
         keys = self._keys
         if not keys:
-            keys.append((0, block_tokens(token_ids[: self.block_size])))
+            keys.append(block_hash(ROOT_HASH, block_tokens(token_ids[: self.block_size])))
         return keys[0]
 
     def _start(self, token_ids: Sequence[int]) -> None:
@@ -40,7 +40,7 @@ class PromptBlockKeys:
             self._keys = []
             self._max_blocks = (len(token_ids) - 1) // self.block_size
 
-    def num_cached_blocks(self, token_ids: Sequence[int], cached: dict[BlockKey, int]) -> int:
+    def num_cached_blocks(self, token_ids: Sequence[int], cached: dict[BlockHash, int]) -> int:
         """How many leading full blocks of the prompt are in `cached` (a block manager's
         cached_blocks); at least one token is left over, as find_cached_prefix leaves it.
         The prompt is recognised by identity: a router passes one object to every replica."""
@@ -49,8 +49,8 @@ class PromptBlockKeys:
         n = 0
         while n < self._max_blocks:
             if n == len(keys):
-                parent = hash(keys[-1]) if keys else 0
-                keys.append((parent, block_tokens(token_ids[n * size : (n + 1) * size])))
+                parent = keys[-1] if keys else ROOT_HASH
+                keys.append(block_hash(parent, block_tokens(token_ids[n * size : (n + 1) * size])))
             if keys[n] not in cached:
                 break
             n += 1
@@ -63,19 +63,19 @@ class ClusterPrefixCache:
 
     A replica can hold a prompt's first block only if it was sent a request whose first
     block of tokens (prompt, then generated tokens) is that block: `routed` records, per
-    first-block key (by its hash), the replicas sent one. A query looks its first key up
-    there once, asks only those replicas' caches (one dict probe each; a hash collision
-    only adds a replica to ask), and the ones holding it further. Same answers as
+    first-block key, the replicas sent one. A query looks its first key up
+    there once, asks only those replicas' caches (one dict probe each), and the ones
+    holding it further. Same answers as
     `SimReplica.cached_prefix_tokens`; replicas holding none of the prompt are left out.
     The index keeps one entry per distinct first block ever routed (ints and replica ids).
     """
 
     def __init__(self, keys: PromptBlockKeys) -> None:
         self.keys = keys
-        self._caches: dict[Hashable, dict[BlockKey, int]] = {}
-        self._sent: dict[int, list[Hashable]] = {}  # hash(first key) -> replicas sent one
+        self._caches: dict[Hashable, dict[BlockHash, int]] = {}
+        self._sent: dict[BlockHash, list[Hashable]] = {}  # first block's key -> replicas sent one
 
-    def add_replica(self, replica_id: Hashable, cached_blocks: dict[BlockKey, int]) -> None:
+    def add_replica(self, replica_id: Hashable, cached_blocks: dict[BlockHash, int]) -> None:
         """cached_blocks: the replica's BlockManager.cached_blocks (prefix caching on)."""
         self._caches[replica_id] = cached_blocks
 
@@ -93,7 +93,7 @@ class ClusterPrefixCache:
             first = tuple(token_ids) + (output_token_id,) * (size - len(token_ids))
         else:
             return
-        h = hash((0, block_tokens(first)))
+        h = block_hash(ROOT_HASH, block_tokens(first))
         sent = self._sent.get(h)
         if sent is None:
             self._sent[h] = [replica_id]
@@ -105,7 +105,7 @@ class ClusterPrefixCache:
         first = self.keys.first_key(token_ids)
         if first is None:
             return {}
-        sent = self._sent.get(hash(first))
+        sent = self._sent.get(first)
         if sent is None:
             return {}
         caches = self._caches
@@ -118,4 +118,4 @@ class ClusterPrefixCache:
                 for rid in holders if rid in asked}
 
 
-_NONE: dict[BlockKey, int] = {}
+_NONE: dict[BlockHash, int] = {}

@@ -1,7 +1,7 @@
 """Prefix-cache block hashes that mean the same in every process.
 
-The block manager keys its prefix cache by (Python `hash` of the previous block's key,
-the block's tokens): Python salts the hash of bytes per process (PYTHONHASHSEED), so a
+The block manager keys its prefix cache by `block_hash(parent's hash, the block's tokens)`,
+Python's `hash`: Python salts the hash of bytes per process (PYTHONHASHSEED), so a
 router in another process cannot recompute those keys. A replica therefore reports its
 cached blocks as *stable* hashes, and the router hashes a prompt the same way:
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from iterserve.replica.block_manager import BlockKey, BlockTokens, block_tokens
+from iterserve.replica.block_manager import ROOT_HASH, BlockHash, BlockTokens, block_tokens
 
-ROOT = 0  # the chain's parent before the first block (the block manager's root is 0 too)
+ROOT = 0  # the chain's parent before the first block
 # A report holds at most this many hashes (8 bytes each on the wire, every routing-stats
 # period); beyond it the shallowest blocks are kept: a prefix's head serves the most prompts.
 MAX_REPORTED_BLOCK_HASHES = 32768
@@ -69,10 +69,11 @@ class BlockHashIndex:
     """The stable hashes of the blocks in one block manager's prefix cache, by chain depth.
 
     Attach with `BlockManager.cache_listener = index` before the manager caches anything;
-    it then calls `stored(key)` when a block joins the cache and `evicted(key)` when one
-    leaves, on the thread that changes the cache (the engine's), which is also where
-    `report()` must run. A block names its parent by `hash(parent key)`, so entries are
-    kept by that id: (stable hash, depth), depth being the block's index in its chain.
+    it then calls `stored(block, parent, tokens)` when a block joins the cache and
+    `evicted(block)` when one leaves (the block manager's hashes), on the thread that
+    changes the cache (the engine's), which is also where `report()` must run. Entries are
+    kept by the block manager's hash: (stable hash, depth), depth being the block's index
+    in its chain.
     A block whose parent is not indexed (it was cached as a private copy whose twin has
     been evicted) is left out, and so are its descendants. A block whose ancestor is
     evicted later stays reported until it is evicted itself: a router walks a prompt's
@@ -81,35 +82,33 @@ class BlockHashIndex:
 
     def __init__(self, limit: int = MAX_REPORTED_BLOCK_HASHES) -> None:
         self.limit = limit
-        self._entries: dict[int, tuple[int, int]] = {}  # hash(key) -> (stable hash, depth)
-        self._levels: list[dict[int, int]] = []  # per depth: hash(key) -> stable hash
+        # the block manager's hash -> (stable hash, depth)
+        self._entries: dict[BlockHash, tuple[int, int]] = {}
+        self._levels: list[dict[BlockHash, int]] = []  # per depth: block hash -> stable hash
         self.num_hashed = 0  # blocks hashed so far (tests check each is hashed once)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def stored(self, key: BlockKey) -> None:
-        parent_id, tokens = key
-        if parent_id == ROOT:
+    def stored(self, block: BlockHash, parent: BlockHash, tokens: BlockTokens) -> None:
+        if parent == ROOT_HASH:
             parent_stable, depth = ROOT, 0
         else:
-            parent = self._entries.get(parent_id)
-            if parent is None:
+            entry = self._entries.get(parent)
+            if entry is None:
                 return  # its parent is not indexed: no lookup can reach it through us
-            parent_stable, depth = parent[0], parent[1] + 1
+            parent_stable, depth = entry[0], entry[1] + 1
         stable = stable_block_hash(parent_stable, tokens)
         self.num_hashed += 1
-        block_id = hash(key)
-        self._entries[block_id] = (stable, depth)
+        self._entries[block] = (stable, depth)
         if depth == len(self._levels):
             self._levels.append({})
-        self._levels[depth][block_id] = stable
+        self._levels[depth][block] = stable
 
-    def evicted(self, key: BlockKey) -> None:
-        block_id = hash(key)
-        entry = self._entries.pop(block_id, None)
+    def evicted(self, block: BlockHash) -> None:
+        entry = self._entries.pop(block, None)
         if entry is not None:
-            del self._levels[entry[1]][block_id]
+            del self._levels[entry[1]][block]
 
     def report(self) -> list[int]:
         """The stable hashes of the cached blocks; over `limit`, the shallowest whole levels

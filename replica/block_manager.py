@@ -5,6 +5,12 @@ Every block is either free (reference count 0, in `free_pool`) or used (referenc
 tokens stay findable by the prefix cache until they are reused, least recently freed first.
 Invariant, checked by `check_invariants` in tests after every step:
     num_free_blocks + num_used_blocks == num_total_blocks
+
+The prefix cache is keyed by a chain hash, as vLLM's is: a block's hash is
+`block_hash(parent's hash, its tokens)`, the parent of a prompt's first block being 0, so
+one int names the whole prefix up to that block. An int key is hashed in O(1) by every dict
+operation and keeps nothing else alive (a (parent, tokens) tuple key was rehashed by every
+lookup, insertion and eviction, and held its tokens' bytes for as long as it was cached).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import Protocol
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.request import Request
 
-BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its key holds them: block_tokens
-BlockKey = tuple[int, BlockTokens]  # (hash of the previous block's key, this block's tokens)
+BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its hash reads them: block_tokens
+BlockHash = int  # block_hash(parent's BlockHash, tokens): names the prefix up to the block
+ROOT_HASH = 0  # the parent of a chain's first block
 # A request's physical block ids in order: a C int32 array, so a step's input preparation
 # copies every table into its [S, M] array as raw bytes instead of converting Python ints.
 BlockTable = array  # array("i")
@@ -35,9 +42,17 @@ def block_tokens(tokens: Sequence[int]) -> BlockTokens:
         return tuple(tokens)
 
 
+def block_hash(parent: BlockHash, tokens: BlockTokens) -> BlockHash:
+    """The chain hash of a block whose previous block's hash is `parent` (ROOT_HASH for a
+    first block). Python's hash of a tuple: the bytes in it are hashed with a per-process
+    key (PYTHONHASHSEED), so these hashes mean nothing in another process (a router there
+    uses replica/block_hashes.py's stable ones); 64 bits, like vLLM's builtin block hash."""
+    return hash((parent, tokens))
+
+
 class PrefixCacheListener(Protocol):
-    def stored(self, key: BlockKey) -> None: ...
-    def evicted(self, key: BlockKey) -> None: ...
+    def stored(self, block: BlockHash, parent: BlockHash, tokens: BlockTokens) -> None: ...
+    def evicted(self, block: BlockHash) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,18 +65,18 @@ class BlockManager:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Per block id: how many block tables hold it, and its prefix-cache key (set once the
-        # block is full and registered in the cache).
+        # Per block id: how many block tables hold it, and its prefix-cache hash (set once
+        # the block is full and registered in the cache).
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.block_keys: list[BlockHash | None] = [None] * num_blocks
         self.free_pool = FreeBlockPool(num_blocks)  # reuse order: uncached first, then LRU
-        self.cached_blocks: dict[BlockKey, int] = {}
+        self.cached_blocks: dict[BlockHash, int] = {}
         self.block_tables: dict[str, BlockTable] = {}
         # Per request: how many leading blocks are registered, and the hash chain so far.
         self.num_registered: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there
-        # Told of every key that joins or leaves cached_blocks (`stored` / `evicted`): the
+        # Told of every hash that joins or leaves cached_blocks (`stored` / `evicted`): the
         # replica's index of stable block hashes for routers (replica/block_hashes.py).
         self.cache_listener: PrefixCacheListener | None = None
 
@@ -108,23 +123,22 @@ class BlockManager:
         if packed is None or max_blocks * size > request.num_prompt_tokens:
             packed, tokens = None, request.all_token_ids
         hits: list[int] = []
-        parent = 0
-        for i in range(max_blocks):
+        key = ROOT_HASH
+        for i in range(max_blocks):  # block_hash, inlined: once per block of every admission
             if packed is not None:  # the same bytes block_tokens makes of the slice
-                key = (parent, packed[i * size * 8 : (i + 1) * size * 8])
+                key = hash((key, packed[i * size * 8 : (i + 1) * size * 8]))
             else:
-                key = (parent, block_tokens(tokens[i * size : (i + 1) * size]))
+                key = hash((key, block_tokens(tokens[i * size : (i + 1) * size])))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent = hash(key)
         return hits
 
     def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Put the request's newly completed blocks into the prefix cache."""
         table = self.block_tables[request.request_id]
-        start, parent = self.num_registered.get(request.request_id, (0, 0))
+        start, parent = self.num_registered.get(request.request_id, (0, ROOT_HASH))
         end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
@@ -143,10 +157,11 @@ class BlockManager:
         cached, keys, listener = self.cached_blocks, self.block_keys, self.cache_listener
         width = 8 * block_size
         for i in range(start, end):
-            if packed is not None:
-                key = (parent, packed[offset * 8 : offset * 8 + width])
+            if packed is not None:  # block_hash, inlined: this loop runs once per block
+                chunk: BlockTokens = packed[offset * 8 : offset * 8 + width]
             else:
-                key = (parent, block_tokens(tokens[offset : offset + block_size]))
+                chunk = block_tokens(tokens[offset : offset + block_size])
+            key = hash((parent, chunk))
             offset += block_size
             block_id = table[i]
             # An identical block may already be cached (two requests computed the same prefix
@@ -154,8 +169,8 @@ class BlockManager:
             if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
                 keys[block_id] = key
                 if listener is not None:
-                    listener.stored(key)
-            parent = hash(key)
+                    listener.stored(key, parent, chunk)
+            parent = key
         self.num_registered[request.request_id] = (end, parent)
 
     def register_next_block(self, request: Request, tokens: Sequence[int] | BlockTokens
@@ -167,18 +182,19 @@ class BlockManager:
         table = self.block_tables.get(rid)
         if not self.enable_prefix_caching or table is None:
             return True  # mark_computed would do nothing either
-        start, parent = self.num_registered.get(rid, (0, 0))
+        start, parent = self.num_registered.get(rid, (0, ROOT_HASH))
         end = min(request.num_computed_tokens // self.block_size, len(table))
         if end != start + 1:
             return False
-        key = (parent, tokens if isinstance(tokens, bytes) else block_tokens(tokens))
+        chunk = tokens if isinstance(tokens, bytes) else block_tokens(tokens)
+        key = block_hash(parent, chunk)
         block_id = table[start]
         if self.block_keys[block_id] is None \
                 and self.cached_blocks.setdefault(key, block_id) == block_id:
             self.block_keys[block_id] = key
             if self.cache_listener is not None:
-                self.cache_listener.stored(key)
-        self.num_registered[rid] = (end, hash(key))
+                self.cache_listener.stored(key, parent, chunk)
+        self.num_registered[rid] = (end, key)
         return True
 
     def register_output_blocks(self, requests: Sequence[Request], runs: Sequence[BlockTokens],
@@ -197,18 +213,19 @@ class BlockManager:
             table = tables.get(rid)
             if table is None:
                 continue
-            first, parent = registered.get(rid, (0, 0))
+            first, parent = registered.get(rid, (0, ROOT_HASH))
             end = min(request.num_computed_tokens // block_size, len(table))
             if end != first + 1:
                 return i
             run = runs[i]
-            key = (parent, run if isinstance(run, bytes) else block_tokens(run))
+            chunk = run if isinstance(run, bytes) else block_tokens(run)
+            key = hash((parent, chunk))
             block_id = table[first]
             if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
                 keys[block_id] = key
                 if self.cache_listener is not None:
-                    self.cache_listener.stored(key)
-            registered[rid] = (end, hash(key))
+                    self.cache_listener.stored(key, parent, chunk)
+            registered[rid] = (end, key)
         return len(requests)
 
     @staticmethod
@@ -290,7 +307,7 @@ class BlockManager:
             for block_id in hits:
                 table.append(self._take_hit(block_id))
             request.num_computed_tokens = len(hits) * self.block_size
-            self.num_registered[request.request_id] = (len(hits), hash(self.block_keys[hits[-1]]))
+            self.num_registered[request.request_id] = (len(hits), self.block_keys[hits[-1]])
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > self.free_pool.num_free:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")

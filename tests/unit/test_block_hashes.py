@@ -17,7 +17,14 @@ from iterserve.replica.block_hashes import (
     prompt_block_hashes,
     stable_block_hash,
 )
-from iterserve.replica.block_manager import BlockManager, block_tokens
+from iterserve.replica.block_manager import (
+    ROOT_HASH,
+    BlockHash,
+    BlockManager,
+    BlockTokens,
+    block_hash,
+    block_tokens,
+)
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -58,6 +65,27 @@ def run_and_free(manager: BlockManager, rid: str, prompt: list[int]) -> None:
     request.num_computed_tokens = len(prompt)
     manager.mark_computed(request)
     manager.free(request)
+
+
+def test_the_block_manager_caches_each_block_under_its_chain_hash() -> None:
+    """One int per cached block, block_hash(parent's hash, tokens) from ROOT_HASH: the keys
+    the router-side PromptBlockKeys builds and the stable index is told about."""
+    manager = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    told = []
+    manager.cache_listener = type("Told", (), {
+        "stored": lambda self, block, parent, tokens: told.append((block, parent, tokens)),
+        "evicted": lambda self, block: None})()
+    run_and_free(manager, "a", PROMPT)
+    want, parent = [], ROOT_HASH
+    for i in range(3):
+        tokens = block_tokens(PROMPT[i * BLOCK:(i + 1) * BLOCK])
+        want.append((block_hash(parent, tokens), parent, tokens))
+        parent = want[-1][0]
+    assert told == want
+    assert sorted(manager.cached_blocks) == sorted(block for block, _, _ in want)
+    assert all(type(key) is int for key in manager.cached_blocks)
+    again = Request("b", PROMPT, SamplingParams(max_tokens=1), 0.0)
+    assert manager.find_cached_prefix(again) == [manager.cached_blocks[b] for b, _, _ in want]
 
 
 def test_the_chain_is_the_same_in_processes_with_different_hash_seeds() -> None:
@@ -112,18 +140,19 @@ def test_report_after_a_request_ran_and_after_eviction() -> None:
 def test_a_block_whose_parent_is_not_indexed_is_left_out() -> None:
     manager, index = indexed(8)
     chain = prompt_block_hashes(PROMPT, BLOCK)
-    keys = []
-    parent = 0
+    blocks = []  # (block, parent, tokens) as the block manager tells them
+    parent = ROOT_HASH
     for i in range(3):
-        keys.append((parent, block_tokens(PROMPT[i * BLOCK:(i + 1) * BLOCK])))
-        parent = hash(keys[-1])
-    index.stored(keys[1])  # its parent was never stored: unreachable, and so its child
-    index.stored(keys[2])
+        tokens = block_tokens(PROMPT[i * BLOCK:(i + 1) * BLOCK])
+        blocks.append((block_hash(parent, tokens), parent, tokens))
+        parent = blocks[-1][0]
+    index.stored(*blocks[1])  # its parent was never stored: unreachable, and so its child
+    index.stored(*blocks[2])
     assert index.report() == [] and index.num_hashed == 0
-    for key in keys:
-        index.stored(key)
+    for block in blocks:
+        index.stored(*block)
     assert sorted(index.report()) == sorted(chain)
-    index.evicted(keys[0])  # the head leaves: the others stay until evicted themselves
+    index.evicted(blocks[0][0])  # the head leaves: the others stay until evicted themselves
     assert sorted(index.report()) == sorted(chain[1:])
     assert leading_run(chain, frozenset(index.report())) == 0  # and no prompt counts them
 
@@ -169,19 +198,36 @@ def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
     assert len(chain) == 5
 
 
-def _reachable_hashes(cached: dict) -> set[int]:
-    """Every cached key whose chain reaches the root, hashed from the root up."""
-    by_id = {hash(key): key for key in cached}
+class LinkRecorder:
+    """A cache listener that remembers each stored block's (parent, tokens), then tells
+    the index: what a block-manager hash alone no longer says."""
+
+    def __init__(self, index: BlockHashIndex) -> None:
+        self.index = index
+        self.links: dict[BlockHash, tuple[BlockHash, BlockTokens]] = {}
+
+    def stored(self, block: BlockHash, parent: BlockHash, tokens: BlockTokens) -> None:
+        self.links[block] = (parent, tokens)
+        self.index.stored(block, parent, tokens)
+
+    def evicted(self, block: BlockHash) -> None:
+        self.index.evicted(block)
+
+
+def _reachable_hashes(cached: dict[BlockHash, int],
+                      links: dict[BlockHash, tuple[BlockHash, BlockTokens]]) -> set[int]:
+    """Every cached block whose chain reaches the root, hashed from the root up."""
     out = set()
-    for key in cached:
-        chain = [key]
-        while chain[-1][0] != 0 and chain[-1][0] in by_id and len(chain) <= len(cached):
-            chain.append(by_id[chain[-1][0]])
-        if chain[-1][0] != 0:
+    for block in cached:
+        chain = [block]
+        while links[chain[-1]][0] != ROOT_HASH and links[chain[-1]][0] in cached \
+                and len(chain) <= len(cached):
+            chain.append(links[chain[-1]][0])
+        if links[chain[-1]][0] != ROOT_HASH:
             continue  # an ancestor is gone: unreachable
         stable = 0
         for link in reversed(chain):
-            stable = stable_block_hash(stable, link[1])
+            stable = stable_block_hash(stable, links[link][1])
         out.add(stable)
     return out
 
@@ -195,6 +241,7 @@ def test_the_index_answers_as_the_block_managers_own_lookups_do() -> None:
 
     rng = random.Random(5)
     manager, index = indexed(24)
+    recorder = manager.cache_listener = LinkRecorder(index)
     heads = [[rng.randrange(1, 50) for _ in range(2 * BLOCK)] for _ in range(3)]
 
     def prompt() -> list[int]:
@@ -209,7 +256,7 @@ def test_the_index_answers_as_the_block_managers_own_lookups_do() -> None:
         assert index.num_hashed == num_cached, step
         reported = index.report()
         assert len(reported) == len(set(reported)) == len(index) <= len(manager.cached_blocks)
-        assert _reachable_hashes(manager.cached_blocks) <= set(reported), step
+        assert _reachable_hashes(manager.cached_blocks, recorder.links) <= set(reported), step
         for probe_tokens in (prompt(), prompt()):
             probe = Request("probe", probe_tokens, SamplingParams(max_tokens=1), 0.0)
             hits = len(manager.find_cached_prefix(probe))
