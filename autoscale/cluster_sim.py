@@ -43,6 +43,7 @@ import math
 import random
 from collections.abc import Callable, Hashable, Sequence
 
+from iterserve.autoscale.cluster_sim_itl import ItlCounter
 from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.cluster_sim_replica import SimReplica
 from iterserve.autoscale.cluster_sim_state import (
@@ -56,7 +57,6 @@ from iterserve.autoscale.cluster_sim_state import (
 )
 from iterserve.autoscale.cluster_sim_types import (
     ClusterSimConfig,
-    ItlCounter,
     PackedPrefixes,
     RequestRecord,
     SimRequest,
@@ -303,7 +303,7 @@ class ClusterSim:
         record.output_tokens = request.num_output_tokens
         record.cached_tokens = request.num_cached_tokens
         record.preemptions = request.num_preemptions
-        record.itl_max, record.itl_p99 = self.itl.add(request.token_times)
+        self.itl.add(request.token_times, record)  # its itl_max, itl_p99: set by a batch
         slot.ongoing -= 1
         if slot.ongoing == self.config.max_ongoing_requests - 1:
             self._free = None
@@ -374,6 +374,7 @@ class ClusterSim:
 
     # ----------------------------------------------------------------------- result
     def _result(self) -> SimResult:
+        self.itl.flush()  # the records' itl_max / itl_p99 of the last batch
         end = self.now
         engines = [s.replica for s in self.slots if s.replica is not None]
         return SimResult(

@@ -7,11 +7,9 @@ JSON-able, so a result can be compared byte for byte (`SimResult.to_json`).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import math
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,9 +19,6 @@ import numpy as np
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import SimulatorConfig
-
-ITL_RESOLUTION_S = 1e-4  # inter-token gaps are counted in 0.1 ms bins
-ITL_BINS_PER_S = 1e4
 
 
 class SyntheticPrompt(Sequence):
@@ -248,7 +243,7 @@ class SimResult:
 
     replicas_over_time: (t, running, starting, draining) at every change. gpu_seconds:
     replica-seconds from scale decision to stop (a starting GPU is paid for). itl_counts:
-    every inter-token gap of every request, rounded to ITL_RESOLUTION_S, as {gap: count}.
+    every inter-token gap of every request, rounded to cluster_sim_itl.ITL_RESOLUTION_S, as {gap: count}.
     """
 
     records: list[RequestRecord]
@@ -325,80 +320,3 @@ class SimResult:
         }
         return json.dumps(data, sort_keys=True)
 
-
-def request_itl(token_times: Sequence[float]) -> tuple[list[float], float, float]:
-    """(gaps, max gap, p99 gap) of one request's token times."""
-    gaps = list(map(operator.sub, token_times[1:], token_times[:-1]))
-    if not gaps:
-        return gaps, 0.0, 0.0
-    return gaps, max(gaps), percentile(gaps, 99)
-
-
-def count_gaps(bins: collections.Counter, gaps: Sequence[float]) -> None:
-    """Add gaps to a Counter of ITL_RESOLUTION_S bin numbers (each gap counts at its bin's
-    lower edge; C-speed: a run holds millions of gaps). `itl_histogram` turns it into
-    {gap: count}."""
-    bins.update(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
-
-
-def itl_histogram(bins: collections.Counter) -> dict[float, int]:
-    """{bin's lower edge in seconds: count}, in the order the bins were first seen."""
-    return {b / ITL_BINS_PER_S: n for b, n in bins.items()}
-
-
-class ItlCounter:
-    """Every request's inter-token gaps as counts of ITL_RESOLUTION_S bins (`count_gaps`'s),
-    and each request's (max gap, p99 gap) (`request_itl`'s), for millions of gaps.
-
-    Token lists longer than a few dozen go through numpy: the same IEEE subtractions and
-    products, the p99's two order statistics by partition rather than a sort (the same
-    values, so the same interpolation), bins truncated as int() truncates. Their bins are
-    buffered and counted a batch at a time; `histogram` lists the bins in bin order (the
-    JSON sorts them anyway)."""
-
-    _NUMPY_FROM = 32  # shorter token lists: plain Python is cheaper
-    _BATCH = 1 << 20
-
-    def __init__(self) -> None:
-        self._bins: collections.Counter = collections.Counter()
-        self._buffer = np.empty(self._BATCH, np.int64)
-        self._used = 0
-
-    def add(self, token_times: Sequence[float]) -> tuple[float, float]:
-        """Count one request's gaps; its (max gap, p99 gap), as request_itl gives them."""
-        if len(token_times) <= self._NUMPY_FROM:
-            gaps, longest, p99 = request_itl(token_times)
-            count_gaps(self._bins, gaps)
-            return longest, p99
-        times = np.array(token_times, dtype=np.float64)
-        gaps = times[1:] - times[:-1]
-        n = len(gaps)
-        rank = (n - 1) * 99 / 100.0  # percentile(gaps, 99), spelled as it computes it
-        lo = math.floor(rank)
-        hi = min(lo + 1, n - 1)
-        ordered = np.partition(gaps, (lo, hi))
-        low, high = float(ordered[lo]), float(ordered[hi])
-        p99 = low + (high - low) * (rank - lo)
-        bins = (gaps * ITL_BINS_PER_S).astype(np.int64)
-        if self._used + n > self._BATCH:
-            self._flush()
-        if n > self._BATCH:
-            self._count(bins)
-        else:
-            self._buffer[self._used : self._used + n] = bins
-            self._used += n
-        return float(gaps.max()), p99
-
-    def _flush(self) -> None:
-        if self._used:
-            self._count(self._buffer[: self._used])
-            self._used = 0
-
-    def _count(self, bins: np.ndarray) -> None:
-        values, counts = np.unique(bins, return_counts=True)
-        self._bins.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
-
-    def histogram(self) -> dict[float, int]:
-        """{bin's lower edge in seconds: count}, in bin order."""
-        self._flush()
-        return {b / ITL_BINS_PER_S: n for b, n in sorted(self._bins.items())}

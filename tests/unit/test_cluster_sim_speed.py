@@ -233,32 +233,6 @@ def test_block_keys_take_one_form_per_content_even_past_int64() -> None:
     assert PromptBlockKeys(4).num_cached_blocks(tuple(huge), bm.cached_blocks) == 3
 
 
-def test_itl_counter_equals_request_itl_and_count_gaps() -> None:
-    import collections
-
-    from iterserve.autoscale.cluster_sim_types import (
-        ItlCounter,
-        count_gaps,
-        itl_histogram,
-        request_itl,
-    )
-
-    class SmallBatches(ItlCounter):
-        _BATCH = 500  # flushes often, and some requests' gaps outnumber a batch
-
-    rng = random.Random(4)
-    counter, bins = SmallBatches(), collections.Counter()
-    for _ in range(300):
-        t, times = rng.random(), []
-        for _ in range(rng.choice([0, 1, 2, 5, 33, 34, 200, 700])):
-            times.append(t)
-            t += rng.choice([0.0, 0.0151, 0.02, rng.random() * 0.05, 1.3])  # ties and outliers
-        gaps, longest, p99 = request_itl(times)
-        count_gaps(bins, gaps)
-        assert counter.add(times) == (longest, p99)
-    assert counter.histogram() == dict(sorted(itl_histogram(bins).items()))
-
-
 def test_packed_synthetic_prompts_key_the_prefix_cache_as_converted_tokens_do() -> None:
     """A simulated request's prompt bytes (numpy, shared prefix packed once) give the block
     manager the keys it builds from the token list, chunk by chunk and past the prompt."""
