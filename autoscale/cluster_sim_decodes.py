@@ -37,6 +37,7 @@ class Decoder:
     finish_step: int
     token: int  # what it samples at every position
     run: BlockTokens = b""  # a block of that token, in block_tokens form
+    prompt_len: int = 0  # len(request.prompt_token_ids), read at every block it fills
     alloc_from: int = 0  # its first ALLOC step (then every block_size steps)
     register_from: int = 0  # its first REGISTER step (then every block_size steps)
 
@@ -74,7 +75,7 @@ class DecodeCohort:
         left = min(params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
         member = Decoder(request, seq, step, c0, request.num_output_tokens, step + left, token,
-                         block_tokens((token,) * block_size))
+                         block_tokens((token,) * block_size), len(request.prompt_token_ids))
         rid = request.request_id
         self.members[rid] = member
         self.kv_base += c0 - step

@@ -44,6 +44,9 @@ from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.sim_runner import CostModel, SimulatedRunner
 
+# What a step that runs the decodes alone schedules besides them: nothing (never mutated).
+_DECODES_ONLY = SchedulerOutput()
+
 
 def kv_blocks_for(config: ClusterSimConfig) -> int:
     """KV blocks per replica: config.num_blocks, else the simulated GPU's memory budget
@@ -196,6 +199,12 @@ class SimReplica:
             output = scheduler.schedule()
             self._step_is_full = True
             prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
+        elif output is _DECODES_ONLY:  # the decodes alone: nothing scheduled, none admitted
+            self._step, self._step_is_full = output, False
+            n = len(self.decodes)
+            duration = self.cost.step_time(0, n, self.decodes.kv_tokens_read(step))
+            self._finish_starting(now, duration, continuing, n)
+            return
         else:
             self._step_is_full = False
             prefill, decode_seqs, kv = SimulatedRunner.batch_shape(output)
@@ -207,9 +216,14 @@ class SimReplica:
             self.step_end = None  # nothing can run (cannot happen after check_fits)
             return
         self._step = output
-        duration = self.cost.step_time(prefill, decode_seqs, kv)
+        num_seqs = len(output.scheduled) + (0 if self._step_is_full else len(self.decodes))
+        self._finish_starting(now, self.cost.step_time(prefill, decode_seqs, kv), continuing,
+                              num_seqs, prefill)
+
+    def _finish_starting(self, now: float, duration: float, continuing: bool, num_seqs: int,
+                         prefill: int = 0) -> None:
+        """The step's end: its modelled time, after an engine-CPU wait where one is drawn."""
         if self.engine_waits is not None and continuing:
-            num_seqs = len(output.scheduled) + (0 if self._step_is_full else len(self.decodes))
             duration += self.engine_waits.draw(self._wait_rng.random(), num_seqs)
         self._step_prefill = (prefill, duration)
         self.step_end = now + duration
@@ -230,7 +244,7 @@ class SimReplica:
             bm.append_blocks([member.request.request_id for member in allocations])
         if not rest and not scheduler.num_waiting:
             self._admitted = []
-            return SchedulerOutput()  # schedule() would find nothing to do: skip the call
+            return _DECODES_ONLY  # schedule() would find nothing to do: skip the call
         everyone, num_rest = scheduler.running, len(rest)
         scheduler.running = rest
         scheduler.config = self._reduced_config(n)
@@ -282,9 +296,12 @@ class SimReplica:
     def _end_step(self, end: float) -> None:
         self.clock.now = end
         self._step_ends.append(end)
+        output = self._step
+        if output is _DECODES_ONLY:  # no prompt tokens (no rate sample), nothing to update
+            self._update_decodes(len(self._step_ends))
+            return
         self.prefill_rate.record(end, *self._step_prefill)
         step = self.num_steps
-        output = self._step
         if not self._step_is_full:
             self._update_decodes(step)
         if output.scheduled:
@@ -340,7 +357,7 @@ class SimReplica:
             request = member.request
             computed = member.computed0 + step - member.join_step
             request.num_computed_tokens = computed
-            if computed - size >= len(request.prompt_token_ids):
+            if computed - size >= member.prompt_len:
                 runs.append(request)
                 tokens.append(member.run)
                 waiting.append(member)
