@@ -16,16 +16,18 @@ NOW = 1000.0
 PROMPT = list(range(100, 180))  # 5 blocks of 16
 
 
-def _load(rng: random.Random) -> ReplicaLoad | None:
-    if rng.random() < 0.15:
+def _load(rng: random.Random, plain: bool = False) -> ReplicaLoad | None:
+    """plain: stats with a KV size, not draining (the ScoreTable's fast path)."""
+    if not plain and rng.random() < 0.15:
         return None
-    total = rng.choice([0, 100, 1000])
-    kv = rng.choice([0.0, 0.1, 0.5, 0.85, 0.95, 1.0])  # few values: many exact ties
+    total = rng.choice([100, 1000] if plain else [0, 100, 1000])
+    kv = rng.choice([0.0, 0.1, 0.5, 0.8, 0.85, 0.95, 1.0])  # few values: many exact ties
     return ReplicaLoad(
         kv_usage=kv, num_waiting=rng.choice([0, 0, 1, 3, 8]), num_running=rng.randrange(4),
         num_free_blocks=int(total * (1 - kv)), num_total_blocks=total, step_token_rate=0.0,
         timestamp=NOW - rng.choice([0.1, 0.1, 0.5, 5.0, 7.5]),
-        max_waiting_requests=rng.choice([None, None, 4, 8]), draining=rng.random() < 0.1,
+        max_waiting_requests=rng.choice([None, None, 4, 8]),
+        draining=not plain and rng.random() < 0.1,
         prefill_token_rate=rng.choice([0.0, 0.0, 2000.0, 35_000.5]),
         queued_prefill_tokens=rng.choice([0, 0, 700, 9000]))
 
@@ -66,7 +68,7 @@ def _situation(rng: random.Random, core: KVRouterCore[str], n: int) -> dict:
         cached = {r: rng.choice([0, 0, 0, 16, 48, 64]) for r in candidates}
     return {"candidates": candidates, "key": key, "cached": cached,
             "prompt_tokens": rng.choice([0, len(PROMPT), len(PROMPT)]),
-            "num_tokens": rng.choice([0, len(PROMPT) + 200, 5000])}
+            "num_tokens": rng.choice([0, len(PROMPT) + 200, 2000, 5000])}
 
 
 def _reference(core: KVRouterCore[str], s: dict, loads: dict, corrections: dict) -> list[str]:
@@ -79,11 +81,14 @@ def _reference(core: KVRouterCore[str], s: dict, loads: dict, corrections: dict)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(1, 12))
-def test_rank_and_best_equal_the_reference_with_given_corrections(seed: int, n: int) -> None:
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.booleans())
+def test_rank_and_best_equal_the_reference_with_given_corrections(seed: int, n: int,
+                                                                   plain: bool) -> None:
+    """plain: every replica has sized stats and none drains, the ScoreTable's fast path
+    (one division for every KV share, tiers from the watermark alone)."""
     rng = random.Random(seed)
     core: KVRouterCore[str] = KVRouterCore(_config(rng))
-    loads: dict[str, ReplicaLoad | None] = {f"r{i}": _load(rng) for i in range(n)}
+    loads: dict[str, ReplicaLoad | None] = {f"r{i}": _load(rng, plain) for i in range(n)}
     corrections = {f"r{i}": _correction(rng) for i in range(n)}
     for _ in range(6):  # the same core again and again: rows kept, some replicas changed
         s = _situation(rng, core, n)
@@ -96,7 +101,7 @@ def test_rank_and_best_equal_the_reference_with_given_corrections(seed: int, n: 
         assert core.best(*args) == want[0]
         for rid in rng.sample(sorted(loads), rng.randrange(n + 1)):
             if rng.random() < 0.5:
-                loads[rid] = _load(rng)
+                loads[rid] = _load(rng, plain)
             else:
                 corrections[rid] = _correction(rng)
 
