@@ -87,13 +87,13 @@ class ClusterPrefixCache:
         """A request went to replica_id: its first block may join that replica's cache
         (its tokens are the prompt's, then output_token_id, the simulated model's)."""
         size = self.keys.block_size
-        if len(token_ids) >= size:
-            first = tuple(token_ids[:size])
-        elif len(token_ids) + max_tokens >= size:
+        if len(token_ids) > size:  # the router asked first_key of this prompt: memoised
+            h = self.keys.first_key(token_ids)
+        elif len(token_ids) + max_tokens >= size:  # the first block ends in generated tokens
             first = tuple(token_ids) + (output_token_id,) * (size - len(token_ids))
+            h = block_hash(ROOT_HASH, block_tokens(first))
         else:
             return
-        h = block_hash(ROOT_HASH, block_tokens(first))
         sent = self._sent.get(h)
         if sent is None:
             self._sent[h] = [replica_id]
