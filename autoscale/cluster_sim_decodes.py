@@ -40,6 +40,7 @@ class Decoder:
     prompt_len: int = 0  # len(request.prompt_token_ids), read at every block it fills
     alloc_from: int = 0  # its first ALLOC step (then every block_size steps)
     register_from: int = 0  # its first REGISTER step (then every block_size steps)
+    registers: bool = True  # False: the blocks it fills are private (no REGISTER events)
 
     def computed_after(self, step: int) -> int:
         return self.computed0 + step - self.join_step
@@ -67,8 +68,11 @@ class DecodeCohort:
         return self.kv_base + len(self.members) * step
 
     # ------------------------------------------------------------------ membership
-    def join(self, request: Request, seq: int, step: int, token: int) -> None:
-        """After step `step`'s update left `request` with one uncomputed token."""
+    def join(self, request: Request, seq: int, step: int, token: int,
+             private_from: int | None = None) -> None:
+        """After step `step`'s update left `request` with one uncomputed token.
+        private_from: the block manager's `mark_private` block for it, if any: the blocks
+        from there on are not registered as they fill."""
         block_size = self.block_manager.block_size
         c0 = request.num_computed_tokens
         params = request.sampling_params
@@ -82,9 +86,11 @@ class DecodeCohort:
         capacity = len(self.block_manager.block_tables[rid]) * block_size
         member.alloc_from = step + 1 + capacity - c0
         member.register_from = step + block_size - c0 % block_size
+        member.registers = private_from is None or c0 // block_size < private_from
         bisect.insort(self._allocs[member.alloc_from % block_size], member, key=_admission)
-        bisect.insort(self._registers[member.register_from % block_size], member,
-                      key=_admission)
+        if member.registers:
+            bisect.insort(self._registers[member.register_from % block_size], member,
+                          key=_admission)
         heapq.heappush(self._finishes, (member.finish_step, seq, rid))
 
     def leave(self, request_id: str, step: int) -> Request:
@@ -92,7 +98,8 @@ class DecodeCohort:
         member = self.members.pop(request_id)
         size = self.block_manager.block_size
         self._allocs[member.alloc_from % size].remove(member)
-        self._registers[member.register_from % size].remove(member)
+        if member.registers:
+            self._registers[member.register_from % size].remove(member)
         self.kv_base -= member.computed0 - member.join_step
         self.materialise(member, step)
         return member.request

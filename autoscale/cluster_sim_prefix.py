@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
 from iterserve.replica.block_manager import ROOT_HASH, BlockHash, block_hash, block_tokens
 
 
@@ -87,6 +88,8 @@ class ClusterPrefixCache:
         """A request went to replica_id: its first block may join that replica's cache
         (its tokens are the prompt's, then output_token_id, the simulated model's)."""
         size = self.keys.block_size
+        if isinstance(token_ids, SyntheticPrompt) and token_ids.first_private_block(size) == 0:
+            return  # no other prompt starts with its first block: nobody will ask for it
         if len(token_ids) > size:  # the router asked first_key of this prompt: memoised
             h = self.keys.first_key(token_ids)
         elif len(token_ids) + max_tokens >= size:  # the first block ends in generated tokens

@@ -166,8 +166,12 @@ class SimReplica:
             # It stands in for the list (see its docstring): a list would make ~1k int
             # objects a request, whose churn scatters the heap that the caches' keys live in.
             request = Request(spec.request_id, prompt, params, now)  # type: ignore[arg-type]
-            if self.block_manager.enable_prefix_caching:
+            bm = self.block_manager
+            if bm.enable_prefix_caching:
                 request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
+                private = prompt.first_private_block(bm.block_size)
+                if private is not None and self.config.lazy_private_blocks:
+                    bm.mark_private(spec.request_id, private)
         else:
             request = Request(spec.request_id, list(prompt), params, now)
         self.scheduler.add_request(request)
@@ -385,7 +389,8 @@ class SimReplica:
             rid = request.request_id
             if rid not in decodes and request.status == RequestStatus.RUNNING \
                     and request.num_uncomputed_tokens == 1 and request.num_computed_tokens > 0:
-                decodes.join(request, self._seq[rid], step, self._output_token[rid])
+                decodes.join(request, self._seq[rid], step, self._output_token[rid],
+                             self.block_manager.private_from.get(rid))
 
     def _forget(self, request: Request) -> None:
         self._output_token.pop(request.request_id, None)

@@ -31,16 +31,29 @@ class SyntheticPrompt(Sequence):
     replica's `Request` holds it as its prompt_token_ids, in place of the list (the block
     manager reads the prompt from `packed` bytes; see SimReplica.add), so it answers as that
     list does: slices are lists, and `prompt + outputs` is a list.
+
+    private: no other request's prompt holds any of its own tokens (not even inside
+    another prompt's prefix, as a chat's next turn holds this one), so no other request can
+    find its cache blocks from the first one holding an own token on: the simulated replica
+    hashes those blocks only if the request is preempted (`BlockManager.mark_private`).
     """
 
-    __slots__ = ("prefix", "unique_start", "num_unique")
+    __slots__ = ("prefix", "unique_start", "num_unique", "private")
 
-    def __init__(self, prefix: tuple[int, ...], unique_start: int, num_unique: int) -> None:
+    def __init__(self, prefix: tuple[int, ...], unique_start: int, num_unique: int,
+                 private: bool = False) -> None:
         if num_unique < 0:
             raise ValueError("num_unique must be >= 0")
         self.prefix = prefix
         self.unique_start = unique_start
         self.num_unique = num_unique
+        self.private = private
+
+    def first_private_block(self, block_size: int) -> int | None:
+        """The index of its first cache block that holds an own token, if it is private."""
+        if not self.private or self.num_unique == 0:
+            return None
+        return len(self.prefix) // block_size
 
     def __len__(self) -> int:
         return len(self.prefix) + self.num_unique
@@ -185,6 +198,7 @@ class ClusterSimConfig:
     startup_delay_s: float = 30.0
     seed: int = 0
     fast_forward: bool = True
+    lazy_private_blocks: bool = True  # see BlockManager.mark_private (same results)
     max_virtual_s: float = math.inf  # stop even if requests are unfinished (recorded as such)
     # --- Ray path latency outside the replicas (see the docstring) ---
     dispatch_latency_s: float = 0.0

@@ -58,7 +58,8 @@ def _request(i: int, arrival: float, input_tokens: int, output_tokens: int,
     for hid in hash_ids[:named]:
         start = HASH_TOKEN_BASE + int(hid) * block
         head += tuple(range(start, start + block))
-    prompt = SyntheticPrompt(head, unique_start(i), input_tokens - named * block)
+    prompt = SyntheticPrompt(head, unique_start(i), input_tokens - named * block,
+                             private=True)  # no other row's prompt holds request i's own ids
     return SimRequest(f"trace-{i}", arrival, prompt, max(1, output_tokens), session,
                       output_token_id=1 + i % 30000)
 

@@ -45,9 +45,12 @@ def unique_start(i: int) -> int:
     return UNIQUE_BASE + (i * 2654435761) % (1 << 30)
 
 
-def _prompt(i: int, head: tuple[int, ...], num_unique: int) -> SyntheticPrompt:
-    """Request i's prompt: a shared head, then tokens no other request of the run has."""
-    return SyntheticPrompt(head, unique_start(i), num_unique)
+def _prompt(i: int, head: tuple[int, ...], num_unique: int, private: bool = True
+            ) -> SyntheticPrompt:
+    """Request i's prompt: a shared head, then tokens no other request of the run has.
+    private: nor does any other prompt repeat them (False where a later prompt's head
+    does: a chat's next turn)."""
+    return SyntheticPrompt(head, unique_start(i), num_unique, private)
 
 
 def _poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[float]:
@@ -149,7 +152,7 @@ def multi_turn(rate: float, duration_s: float, seed: int = 0) -> list[SimRequest
                 break
             i = len(out)
             answer = rng.randint(64, 320)
-            prompt = _prompt(i, history, message)
+            prompt = _prompt(i, history, message, private=False)  # the next turn holds it
             request = _request(i, t, prompt, answer, rng, "turns", f"session-{s}")
             out.append(request)
             history = tuple(prompt) + (request.output_token_id,) * answer

@@ -74,6 +74,8 @@ class BlockManager:
         self.block_tables: dict[str, BlockTable] = {}
         # Per request: how many leading blocks are registered, and the hash chain so far.
         self.num_registered: dict[str, tuple[int, int]] = {}
+        # Per request: the first block no other request can look up (`mark_private`).
+        self.private_from: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there
         # Told of every hash that joins or leaves cached_blocks (`stored` / `evicted`): the
@@ -119,6 +121,9 @@ class BlockManager:
             return []
         size = self.block_size
         max_blocks = (request.num_tokens - 1) // size
+        private = self.private_from.get(request.request_id)
+        if private is not None and private < max_blocks and not request.num_preemptions:
+            max_blocks = private  # nothing past it is cached before it registers its own
         packed = request.prompt_token_bytes
         if packed is None or max_blocks * size > request.num_prompt_tokens:
             packed, tokens = None, request.all_token_ids
@@ -135,11 +140,25 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Put the request's newly completed blocks into the prefix cache."""
+    def mark_private(self, request_id: str, first_block: int) -> None:
+        """No other request's prompt holds this request's tokens from its block first_block
+        on (a simulator's own tokens: `SyntheticPrompt.private`), so only the request itself,
+        readmitted after a preemption, can look those blocks up. They are not hashed as they
+        fill: when it finishes, the filled ones go back to the free pool where registered
+        blocks go (the same reuse order), and only a preemption hashes and registers them
+        (its readmission may find them). Same hits, same blocks reused: the cluster
+        simulator's results are byte-identical with it (tests/unit/test_cluster_sim.py)."""
+        self.private_from[request_id] = first_block
+
+    def _register_full_blocks(self, request: Request, num_computed_tokens: int,
+                              last: int | None = None) -> None:
+        """Put the request's newly completed blocks, up to block `last` (not included; None:
+        all of them), into the prefix cache."""
         table = self.block_tables[request.request_id]
         start, parent = self.num_registered.get(request.request_id, (0, ROOT_HASH))
         end = min(num_computed_tokens // self.block_size, len(table))
+        if last is not None and last < end:
+            end = last
         if end <= start:
             return
         block_size = self.block_size
@@ -251,7 +270,8 @@ class BlockManager:
         if self.enable_prefix_caching and request.request_id in self.block_tables:
             if num_computed_tokens is None:
                 num_computed_tokens = request.num_computed_tokens
-            self._register_full_blocks(request, num_computed_tokens)
+            self._register_full_blocks(request, num_computed_tokens,
+                                       self.private_from.get(request.request_id))
 
     # ------------------------------------------------------------------------- allocation
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
@@ -331,18 +351,44 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; cached ones stay findable until reused."""
-        table = self.block_tables.pop(request.request_id, ())
-        self.num_registered.pop(request.request_id, None)
+        rid = request.request_id
+        private = self.private_from.get(rid)
+        if private is not None and not request.is_finished:
+            if rid in self.block_tables:  # preempted: readmitted, it may look them up
+                self._register_full_blocks(request, request.num_computed_tokens)
+            private = None  # it stays marked for its next run
+        elif private is not None:
+            del self.private_from[rid]
+        table = self.block_tables.pop(rid, ())
+        self.num_registered.pop(rid, None)
         # Free the tail first so that a chain's later blocks are evicted before its head.
         refs, keys = self.ref_counts, self.block_keys
         uncached: list[int] = []
         cached: list[int] = []
+        if private is not None and len(table) > private:
+            uncached, cached = self._free_private_tail(table, private,
+                                                       request.num_computed_tokens)
+            table = table[:private]
         for block_id in reversed(table):
             left = refs[block_id] - 1
             refs[block_id] = left
             if left == 0:
                 (uncached if keys[block_id] is None else cached).append(block_id)
         self.free_pool.release(uncached, cached)
+
+    def _free_private_tail(self, table: BlockTable, private: int, num_computed_tokens: int
+                           ) -> tuple[list[int], list[int]]:
+        """(uncached, cached) of free()'s loop over a finished private request's blocks from
+        `private` on: it alone held them; the filled ones are (or would have been)
+        registered, so they go where cached blocks go, the tail first."""
+        tail = table[private:].tolist()
+        refs = self.ref_counts
+        for block_id in tail:
+            refs[block_id] = 0
+        tail.reverse()
+        filled = min(num_computed_tokens // self.block_size, len(table)) - private
+        num_unfilled = len(tail) - max(filled, 0)
+        return tail[:num_unfilled], tail[num_unfilled:]
 
     def _take_free(self, count: int) -> list[int]:
         """The first `count` free blocks in reuse order, taken for new tokens: a block that

@@ -224,3 +224,30 @@ def test_engine_waits_lengthen_steps_deterministically_and_alike_on_both_paths()
     assert run(WaitDistribution((0.0,), (1.0,))).to_json() == without.to_json()
     assert with_waits.num_finished == without.num_finished == len(workload)
     assert with_waits.ttft_percentile(50) > without.ttft_percentile(50)
+
+
+@pytest.mark.parametrize(("workload", "rate", "num_blocks", "fast"), [
+    ("skewed-bursts", 60.0, 260, True), ("skewed-bursts", 60.0, 260, False),
+    ("multi-tenant", 20.0, 2000, True), ("steady", 60.0, 5000, True)])
+def test_private_blocks_hashed_lazily_give_the_same_results(workload: str, rate: float,
+                                                            num_blocks: int, fast: bool) -> None:
+    """BlockManager.mark_private (a private SyntheticPrompt's own blocks are hashed only if
+    it is preempted): byte-identical JSON with and without it, under block pressure
+    (preemptions, whose readmissions find their own blocks), shared heads and prefix hits,
+    on the fast path and step by step."""
+    from iterserve.loadtests.cluster_workloads import make
+
+    requests = make(workload, rate, 6.0, seed=2)
+    assert all(r.prompt_token_ids.private for r in requests)
+    results = []
+    for lazy in (True, False):
+        config = ClusterSimConfig(**{**SMALL.__dict__, "num_blocks": num_blocks,
+                                     "max_model_len": 8192, "fast_forward": fast,
+                                     "lazy_private_blocks": lazy})
+        results.append(simulate(requests, [IterserveRouter(), IterserveRouter()], 2, config))
+    lazy_result, eager = results
+    assert lazy_result.to_json() == eager.to_json()
+    assert lazy_result.num_finished == len(requests)
+    if num_blocks < 5000:
+        assert sum(r.preemptions for r in lazy_result.records) > 0
+        assert lazy_result.prefix_hit_tokens > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import random
 from pathlib import Path
@@ -48,6 +50,28 @@ def test_multi_tenant_shares_contexts_and_multi_turn_grows_prefixes() -> None:
     first, second = chat[0], chat[1]
     grown = tuple(first.prompt_token_ids) + (first.output_token_id,) * first.max_tokens
     assert tuple(second.prompt_token_ids[: len(grown)]) == grown
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_private_prompts_own_tokens_are_in_no_other_prompt(name: str) -> None:
+    """SyntheticPrompt.private's promise, which the simulator's lazy hashing relies on."""
+    requests = make(name, 8.0, 60.0, seed=3)
+    heads: set[int] = set()
+    for r in requests:
+        heads.update(r.prompt_token_ids.prefix)
+    owns = [range(p.unique_start, p.unique_start + p.num_unique)
+            for p in (r.prompt_token_ids for r in requests)]
+    private = [own for own, r in zip(owns, requests, strict=True) if r.prompt_token_ids.private]
+    if name == "multi-turn":  # a turn's own tokens are the next turn's head
+        assert not private and any(own[0] in heads for own in owns if len(own))
+        return
+    assert len(private) == len(requests)
+    spans = sorted((own.start, own.stop) for own in private if len(own))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # disjoint ranges
+    starts = [start for start, _ in spans]
+    for token in heads:  # in no span: the span starting at or before it ends before it
+        i = bisect.bisect_right(starts, token) - 1
+        assert i < 0 or token >= spans[i][1]
 
 
 def test_diurnal_spike_reaches_three_times_the_base() -> None:

@@ -1,0 +1,69 @@
+"""BlockManager.mark_private: a request's own blocks hashed only if it is preempted, with
+the same hits and the same free-block reuse order as hashing every block as it fills."""
+
+from __future__ import annotations
+
+from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.sampling_params import SamplingParams
+
+BLOCK = 4
+SHARED = [7, 7, 7, 7, 8, 8]  # a block and a half that other prompts start with
+
+
+def request(rid: str, own: int, start: int) -> Request:
+    """SHARED, then `own` tokens no other prompt has (ids start, start + 1, ...)."""
+    prompt = SHARED + list(range(start, start + own))
+    return Request(rid, prompt, SamplingParams(max_tokens=8, ignore_eos=True), 0.0)
+
+
+def run(manager: BlockManager, req: Request, num_tokens: int) -> None:
+    """Admit it (taking its prefix hits) and compute num_tokens of it, as a step would."""
+    hits = manager.find_cached_prefix(req)
+    manager.allocate(req, num_tokens - len(hits) * BLOCK, hits)
+    req.num_computed_tokens = num_tokens
+    manager.mark_computed(req)
+
+
+def managers() -> tuple[BlockManager, BlockManager]:
+    return BlockManager(40, BLOCK, True), BlockManager(40, BLOCK, True)
+
+
+def test_finished_private_blocks_are_unhashed_but_reused_in_the_same_order() -> None:
+    eager, lazy = managers()
+    for manager in (eager, lazy):
+        a, b = request("a", 13, 100), request("b", 5, 200)
+        if manager is lazy:
+            manager.mark_private("a", len(SHARED) // BLOCK)
+            manager.mark_private("b", len(SHARED) // BLOCK)
+        run(manager, a, 19)  # 4 full blocks: the shared one, then 3 holding own tokens
+        run(manager, b, 10)  # finds the shared block
+        a.status = b.status = RequestStatus.FINISHED_LENGTH
+        manager.free(a)
+        manager.free(b)
+        manager.check_invariants()
+    assert eager.free_blocks_in_reuse_order() == lazy.free_blocks_in_reuse_order()
+    assert len(eager.cached_blocks) == 5 and len(lazy.cached_blocks) == 1  # only SHARED's
+    assert not lazy.private_from
+    again_eager, again_lazy = request("c", 3, 300), request("c", 3, 300)
+    assert eager.find_cached_prefix(again_eager) == lazy.find_cached_prefix(again_lazy) != []
+
+
+def test_a_preempted_private_request_finds_its_own_blocks_when_readmitted() -> None:
+    eager, lazy = managers()
+    found = []
+    for manager in (eager, lazy):
+        a = request("a", 13, 100)
+        if manager is lazy:
+            manager.mark_private("a", 1)
+        run(manager, a, 17)
+        manager.free(a)  # preempted: still running when its blocks go
+        a.num_computed_tokens, a.num_preemptions = 0, 1
+        assert manager.private_from.get("a") == (1 if manager is lazy else None)
+        found.append(manager.find_cached_prefix(a))
+        run(manager, a, 19)
+        a.status = RequestStatus.FINISHED_LENGTH
+        manager.free(a)
+        manager.check_invariants()
+    assert found[0] == found[1] and len(found[0]) == 4
+    assert eager.free_blocks_in_reuse_order() == lazy.free_blocks_in_reuse_order()
