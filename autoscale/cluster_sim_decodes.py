@@ -122,6 +122,13 @@ class DecodeCohort:
                 first = step - (want - have_times)  # steps first+1..step are missing
                 request.token_times.extend(step_ends[first:step])
 
+    def sync_computed(self, step: int) -> None:
+        """Every member's num_computed_tokens as of the end of step `step` (what a stats
+        report reads: a member that joined with its last prompt token uncomputed has
+        computed it once a step has passed)."""
+        for member in self.members.values():
+            member.request.num_computed_tokens = member.computed0 + step - member.join_step
+
     def all_members(self) -> Iterator[Decoder]:
         return iter(sorted(self.members.values(), key=lambda m: m.seq))
 

@@ -15,8 +15,9 @@ decodes leave (max_num_batched_tokens - n, max_num_seqs - n), which is what its 
 leaves them after scheduling the n decodes first. Decodes' blocks are taken before, and
 registered / freed before the scheduler's update of the rest, in running order, as the
 per-step scheduler does. A step in which a preemption could happen (more blocks needed than
-free) runs the whole production scheduler instead, with every request brought up to date.
-So the results are identical to stepping everything (tests/unit/test_cluster_sim.py
+free) runs the whole production scheduler instead, with every request brought up to date;
+a stats report (`load`) first brings the decodes' computed tokens up to date, as the
+scheduler's queued-prefill count reads them. So the results are identical to stepping everything (tests/unit/test_cluster_sim.py
 compares the JSON of both byte for byte).
 """
 
@@ -133,6 +134,8 @@ class SimReplica:
         """Its load as record_routing_stats reports it (blocks are always exact)."""
         self.advance(now)
         bm = self.block_manager
+        if len(self.decodes):  # their computed tokens feed queued_prefill_tokens
+            self.decodes.sync_computed(self.num_steps)
         return ReplicaLoad(
             kv_usage=bm.usage,
             num_waiting=self.scheduler.num_waiting,

@@ -251,3 +251,27 @@ def test_private_blocks_hashed_lazily_give_the_same_results(workload: str, rate:
     if num_blocks < 5000:
         assert sum(r.preemptions for r in lazy_result.records) > 0
         assert lazy_result.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_stats_count_no_prefill_left_for_a_decode_that_joined_one_prompt_token_short(
+        private: bool) -> None:
+    """A chunk that stops one token short of the prompt's end makes the request a decode
+    whose next step computes that token: from then on a stats report counts no prefill
+    left for it, on the fast path as step by step (its lazily kept fields are synced)."""
+    from iterserve.autoscale.cluster_sim_replica import SimReplica
+    from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
+
+    prompt = SyntheticPrompt((), 1 << 31, 513, private=private)  # a chunk of 512, then 1
+    spec = SimRequest("r", 0.0, prompt, 64)
+    queued = []
+    for fast in (True, False):
+        config = ClusterSimConfig(**{**SMALL.__dict__, "num_blocks": 400, "fast_forward": fast})
+        replica = SimReplica("replica-0", config, 0.0)
+        replica.add(spec, 0.0)
+        seen = []
+        while replica.wake_time is not None and len(seen) < 10:
+            seen.append(replica.load(replica.wake_time).queued_prefill_tokens)
+        queued.append(seen)
+    assert queued[0] == queued[1]
+    assert queued[0][0] == 1 and queued[0][1:] == [0] * 9
