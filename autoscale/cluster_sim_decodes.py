@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from iterserve.replica.block_manager import BlockManager, BlockTokens, block_tokens
@@ -104,7 +104,7 @@ class DecodeCohort:
         self.materialise(member, step)
         return member.request
 
-    def materialise(self, member: Decoder, step: int, step_ends: list[float] | None = None
+    def materialise(self, member: Decoder, step: int, step_ends: Sequence[float] | None = None
                     ) -> None:
         """Bring the request's fields to the end of step `step` (token times from step_ends,
         the replica's end time of every step, when given)."""

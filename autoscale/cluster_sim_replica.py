@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from array import array
 from collections.abc import Sequence
 
 from iterserve.autoscale.cluster_sim_decodes import DecodeCohort, Decoder
@@ -102,7 +103,10 @@ class SimReplica:
         self.step_end: float | None = None  # end of the step in progress (None: idle)
         self._step: SchedulerOutput | None = None  # what the production scheduler scheduled
         self._step_is_full = True  # the step ran the whole scheduler (no lazy decodes)
-        self._step_ends: list[float] = []  # end time of every step so far
+        # End time of every step so far, and the requests' token times: C doubles, so that
+        # a decode's times are copied from one to the other (and on to the ITL counter) as
+        # raw bytes, not converted to and from float objects token by token.
+        self._step_ends = array("d")
         self._step_prefill = (0, 0.0)  # prompt tokens and seconds of the step in progress
         self.prefill_rate = PrefillRateMeter()  # the engine's prefill_token_rate meter
         self._seq: dict[str, int] = {}  # running request -> admission order
@@ -177,6 +181,7 @@ class SimReplica:
                     bm.mark_private(spec.request_id, private)
         else:
             request = Request(spec.request_id, list(prompt), params, now)
+        request.token_times = array("d")  # type: ignore[assignment]
         self.scheduler.add_request(request)
         self._output_token[spec.request_id] = spec.output_token_id
         if self.step_end is None:
