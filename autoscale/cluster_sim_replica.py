@@ -175,10 +175,13 @@ class SimReplica:
             request = Request(spec.request_id, prompt, params, now)  # type: ignore[arg-type]
             bm = self.block_manager
             if bm.enable_prefix_caching:
-                request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
                 private = prompt.first_private_block(bm.block_size)
                 if private is not None and self.config.lazy_private_blocks:
                     bm.mark_private(spec.request_id, private)
+                    # its own tokens are hashed only after a preemption: not worth packing
+                    request.prompt_token_bytes = self.packed_prefixes.prefix_bytes(prompt)
+                else:
+                    request.prompt_token_bytes = self.packed_prefixes.prompt_bytes(prompt)
         else:
             request = Request(spec.request_id, list(prompt), params, now)
         request.token_times = array("d")  # type: ignore[assignment]

@@ -118,13 +118,17 @@ class PackedPrefixes:
 
     def prompt_bytes(self, prompt: SyntheticPrompt) -> bytes:
         """`array("q", prompt).tobytes()`."""
+        return prompt.packed(self.prefix_bytes(prompt))
+
+    def prefix_bytes(self, prompt: SyntheticPrompt) -> bytes:
+        """`array("q", prompt.prefix).tobytes()`."""
         entry = self._packed.get(id(prompt.prefix))
         if entry is None:
             if len(self._packed) >= self.max_entries:
                 del self._packed[next(iter(self._packed))]
             entry = (prompt.prefix, np.array(prompt.prefix, dtype=np.int64).tobytes())
             self._packed[id(prompt.prefix)] = entry
-        return prompt.packed(entry[1])
+        return entry[1]
 
 
 @dataclass(frozen=True)

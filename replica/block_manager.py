@@ -125,7 +125,7 @@ class BlockManager:
         if private is not None and private < max_blocks and not request.num_preemptions:
             max_blocks = private  # nothing past it is cached before it registers its own
         packed = request.prompt_token_bytes
-        if packed is None or max_blocks * size > request.num_prompt_tokens:
+        if packed is None or max_blocks * size * 8 > len(packed):
             packed, tokens = None, request.all_token_ids
         hits: list[int] = []
         key = ROOT_HASH
@@ -163,7 +163,7 @@ class BlockManager:
             return
         block_size = self.block_size
         packed: BlockTokens | None = request.prompt_token_bytes
-        if packed is not None and end * block_size <= len(request.prompt_token_ids):
+        if packed is not None and end * block_size * 8 <= len(packed):
             tokens: Sequence[int] = ()
             offset = start * block_size  # token offset into packed
         else:

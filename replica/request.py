@@ -75,9 +75,10 @@ class Request:
     # fire. The defaults send every token through the full check.
     output_length_limit: int = 0
     stopping_token_ids: frozenset[int] = frozenset()
-    # The prompt's tokens packed as int64 (`array("q", prompt).tobytes()`), where the caller
-    # has them for less than that conversion (the cluster simulator's synthetic prompts): the
-    # block manager then slices its prefix-cache keys from it. None: it converts the tokens.
+    # The prompt's tokens, or its leading ones, packed as int64 (`array("q", prompt[:k])
+    # .tobytes()`), where the caller has them for less than that conversion (the cluster
+    # simulator's synthetic prompts): the block manager slices its prefix-cache keys from it
+    # where it reaches. None, or beyond it: the block manager converts the tokens.
     prompt_token_bytes: bytes | None = None
 
     def __post_init__(self) -> None:
