@@ -42,10 +42,13 @@ from iterserve.autoscale.router_policy import (
 )
 from iterserve.autoscale.signals import ReplicaLoad
 
-# Columns of a row: what a replica's (stats, correction) pair fixes.
-EFF_KV, HOT, HAS_LOAD, STAMP, KV_TOKENS, DRAINING, BASE, PREFILL, PREFILL_AS_OF, \
-    PREFILL_RATE = range(10)
-NUM_COLUMNS = 10
+# Columns of a row: what a replica's (stats, correction) pair fixes. TIER: its tier before
+# this request's share and staleness (DRAINING, else HOT where hot, else OK); STALE_FROM: its
+# stats' timestamp (inf without stats: never stale); KV_TOKENS: 0 where unknown.
+EFF_KV, TIER, STALE_FROM, KV_TOKENS, BASE, PREFILL, PREFILL_AS_OF, PREFILL_RATE = range(8)
+NUM_COLUMNS = 8
+if (TIER_OK, TIER_HOT) != (0, 1) or TIER_DRAINING <= TIER_HOT:  # score()'s np.maximum
+    raise ImportError("router_table's tiers assume OK = 0 < HOT = 1 < DRAINING")
 _NO_CORRECTION = Correction(0)
 _UNSET = object()  # a row not computed yet (no stats object is this)
 
@@ -64,6 +67,7 @@ class ScoreTable(Generic[R]):
         self._given_loads: list[object] = []
         self._given_corrections: list[object] = []
         self._any_drained = False  # some row was computed from a drained Correction
+        self._unknown_kv: set[int] = set()  # rows whose KV_TOKENS is 0 (no block count)
 
     # ------------------------------------------------------------------------ rows
     def rows_for(self, candidates: Sequence[R]) -> list[int]:
@@ -128,18 +132,23 @@ class ScoreTable(Generic[R]):
         # now=None: staleness is the per-request part (it depends on the request's time)
         eff_waiting, eff_kv, hot, _ = effective_load(load, corr, None, config)
         base = config.waiting_weight * eff_waiting + config.kv_weight * eff_kv
+        tier = TIER_HOT if hot else TIER_OK
         if load is None:
-            self._rows[row] = (eff_kv, hot, 0.0, 0.0, 0.0, 0.0, base, corr.prefill_tokens,
-                               0.0, 0.0)
+            kv_tokens = 0
+            self._rows[row] = (eff_kv, tier, np.inf, 0.0, base, corr.prefill_tokens, 0.0, 0.0)
         else:
             # rate 0 where not drained: queued_prefill is then the whole U
             queued, as_of = prefill_queue(corr, load, config)
             drained = as_of is not None
             self._any_drained |= drained
-            self._rows[row] = (eff_kv, hot, 1.0, load.timestamp,
-                               load.num_total_blocks * config.prefix_block_size,
-                               load.draining, base, queued, as_of if drained else 0.0,
+            kv_tokens = load.num_total_blocks * config.prefix_block_size
+            self._rows[row] = (eff_kv, TIER_DRAINING if load.draining else tier, load.timestamp,
+                               kv_tokens, base, queued, as_of if drained else 0.0,
                                load.prefill_token_rate if drained else 0.0)
+        if kv_tokens > 0:
+            self._unknown_kv.discard(row)
+        else:
+            self._unknown_kv.add(row)
 
     # -------------------------------------------------------------------- scoring
     def hits(self, ix: np.ndarray, cached_tokens: Mapping[R, int] | None) -> np.ndarray | None:
@@ -163,20 +172,18 @@ class ScoreTable(Generic[R]):
         config = self.config
         terms = self._rows[ix]
         n = len(ix)
-        eff_kv = terms[:, EFF_KV]
-        hot = terms[:, HOT] > 0.0
-        if now is not None:
-            hot |= (terms[:, HAS_LOAD] > 0.0) & (now - terms[:, STAMP] > config.stats_stale_after_s)
         kv_tokens = terms[:, KV_TOKENS]
-        if request_tokens > 0:
-            known = kv_tokens > 0.0
-            share = np.full(n, config.inflight_kv_per_request * 1)
-            np.divide(request_tokens, kv_tokens, out=share, where=known)
-        else:
+        if request_tokens <= 0:
             share = config.inflight_kv_per_request * 1
-        hot |= eff_kv + share >= config.kv_high_watermark
-        tier = np.where(terms[:, DRAINING] > 0.0, TIER_DRAINING,
-                        np.where(hot, TIER_HOT, TIER_OK))
+        elif not self._unknown_kv:  # every row knows its blocks
+            share = request_tokens / kv_tokens
+        else:
+            share = np.full(n, config.inflight_kv_per_request * 1)
+            np.divide(request_tokens, kv_tokens, out=share, where=kv_tokens > 0.0)
+        hot = terms[:, EFF_KV] + share >= config.kv_high_watermark
+        if now is not None:
+            hot |= now - terms[:, STALE_FROM] > config.stats_stale_after_s
+        tier = np.maximum(terms[:, TIER], hot)  # HOT is 1: a hot OK row becomes HOT
         score = terms[:, BASE]
         best_hit = 0
         if config.score_prefill_work:
