@@ -56,6 +56,7 @@ class DecodeCohort:
         self._registers: list[list[Decoder]] = [[] for _ in range(size)]
         self._finishes: list[tuple[int, int, str]] = []  # (step, seq, id) heap
         self.kv_base = 0  # sum of (computed0 - join_step): step s reads kv_base + n * s
+        self._short: list[Decoder] = []  # joined with their last prompt token uncomputed
 
     def __len__(self) -> int:
         return len(self.members)
@@ -82,6 +83,8 @@ class DecodeCohort:
                          block_tokens((token,) * block_size), len(request.prompt_token_ids))
         rid = request.request_id
         self.members[rid] = member
+        if c0 < member.prompt_len:
+            self._short.append(member)
         self.kv_base += c0 - step
         capacity = len(self.block_manager.block_tables[rid]) * block_size
         member.alloc_from = step + 1 + capacity - c0
@@ -123,11 +126,19 @@ class DecodeCohort:
                 request.token_times.extend(step_ends[first:step])
 
     def sync_computed(self, step: int) -> None:
-        """Every member's num_computed_tokens as of the end of step `step` (what a stats
-        report reads: a member that joined with its last prompt token uncomputed has
-        computed it once a step has passed)."""
-        for member in self.members.values():
-            member.request.num_computed_tokens = member.computed0 + step - member.join_step
+        """num_computed_tokens as of the end of step `step` for the members whose prompt
+        tokens a stats report counts (`Scheduler.num_queued_prefill_tokens`): those that
+        joined with their last prompt token uncomputed, which the step after computes (the
+        others' lazily kept count already covers their prompt)."""
+        if not self._short:
+            return
+        members, still_short = self.members, []
+        for member in self._short:
+            if members.get(member.request.request_id) is member:
+                member.request.num_computed_tokens = member.computed_after(step)
+                if step == member.join_step:
+                    still_short.append(member)
+        self._short = still_short
 
     def all_members(self) -> Iterator[Decoder]:
         return iter(sorted(self.members.values(), key=lambda m: m.seq))
@@ -137,6 +148,7 @@ class DecodeCohort:
         for bucket in self._allocs + self._registers:
             bucket.clear()
         self._finishes.clear()
+        self._short.clear()
         self.kv_base = 0
 
     # ---------------------------------------------------------------------- events

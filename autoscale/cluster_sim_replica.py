@@ -16,9 +16,9 @@ leaves them after scheduling the n decodes first. Decodes' blocks are taken befo
 registered / freed before the scheduler's update of the rest, in running order, as the
 per-step scheduler does. A step in which a preemption could happen (more blocks needed than
 free) runs the whole production scheduler instead, with every request brought up to date;
-a stats report (`load`) first brings the decodes' computed tokens up to date, as the
-scheduler's queued-prefill count reads them. So the results are identical to stepping everything (tests/unit/test_cluster_sim.py
-compares the JSON of both byte for byte).
+a stats report (`load`) first brings up to date the decodes' computed tokens that the
+scheduler's queued-prefill count reads. So the results are identical to stepping everything
+(tests/unit/test_cluster_sim.py compares the JSON of both byte for byte).
 """
 
 from __future__ import annotations
