@@ -60,6 +60,7 @@ class ItlCounter:
 
     BATCH_TOKENS = 1 << 21  # token times buffered before a batch is computed (16 MiB)
     VECTOR_TOP = 8  # p99s that sit deeper below the max than this are partitioned one by one
+    DENSE_BINS = 1 << 22  # a batch whose gaps all fall below this bin (7 min) is bincounted
 
     def __init__(self) -> None:
         self._bins: collections.Counter = collections.Counter()
@@ -89,8 +90,13 @@ class ItlCounter:
         self._times, self._lengths, self._records = array("d"), array("q"), []
         gaps, num_gaps = _batch_gaps(times, lengths)
         if len(gaps):
-            values, counts = np.unique((gaps * ITL_BINS_PER_S).astype(np.int64),
-                                       return_counts=True)
+            bins = (gaps * ITL_BINS_PER_S).astype(np.int64)
+            if bins.max() < self.DENSE_BINS:  # counted in one pass, not sorted
+                counts = np.bincount(bins)
+                values = np.flatnonzero(counts)
+                counts = counts[values]
+            else:
+                values, counts = np.unique(bins, return_counts=True)
             self._bins.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
         longest, p99 = self._maxima_and_p99s(gaps, num_gaps)
         for record, top, tail in zip(records, longest, p99, strict=True):

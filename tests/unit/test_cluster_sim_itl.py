@@ -25,8 +25,12 @@ class SmallBatches(ItlCounter):
     VECTOR_TOP = 3  # and some p99s are partitioned one by one
 
 
+class FewDenseBins(SmallBatches):
+    DENSE_BINS = 5000  # a batch with a 1.3 s gap is counted by sorting, the others by bincount
+
+
 def test_itl_counter_equals_request_itl_and_count_gaps() -> None:
-    for counter_type in (ItlCounter, SmallBatches):
+    for counter_type in (ItlCounter, SmallBatches, FewDenseBins):
         rng = random.Random(4)
         counter, bins = counter_type(), collections.Counter()
         expected: list[tuple[Record, float, float]] = []
