@@ -6,8 +6,11 @@ router's own sends; `rank_replicas` weighs it in (`routed_work`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
+
+import numpy as np
 
 R = TypeVar("R", bound=Hashable)
 
@@ -17,9 +20,18 @@ class RoutedWorkMeter(Generic[R]):
     are passed in). A replica that joins starts at 0 and is compared with the least-sent
     one, so it takes extra work only until it catches up, never a flood."""
 
+    # From this many replicas asked at once, `values` works on arrays (below it, a list
+    # comprehension is cheaper than the array calls' fixed cost).
+    ARRAYS_FROM = 128
+
     def __init__(self, half_life_s: float) -> None:
         self._half_life_s = half_life_s
         self._tokens: dict[R, tuple[float, float]] = {}  # replica -> (tokens, as of time)
+        # The same entries as arrays: replica -> slot; slot 0 is "never sent" (0 tokens).
+        self._slot: dict[R, int] = {}
+        self._next_slot = 1
+        self._slot_tokens = np.zeros(16)
+        self._slot_at = np.zeros(16)
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         tokens, at = entry
@@ -29,14 +41,34 @@ class RoutedWorkMeter(Generic[R]):
         entry = self._tokens.get(replica_id)
         base = 0.0 if entry is None else self._decayed(entry, now)
         self._tokens[replica_id] = (base + tokens, now)
+        slot = self._slot.get(replica_id)
+        if slot is None:
+            slot = self._slot[replica_id] = self._next_slot
+            self._next_slot += 1
+            if slot == len(self._slot_tokens):
+                self._slot_tokens = np.concatenate([self._slot_tokens, np.zeros(slot)])
+                self._slot_at = np.concatenate([self._slot_at, np.zeros(slot)])
+        self._slot_tokens[slot], self._slot_at[slot] = base + tokens, now
 
-    def values(self, replica_ids: Sequence[R], now: float) -> list[float]:
+    def values(self, replica_ids: Sequence[R], now: float) -> Sequence[float]:
         """`snapshot(now).get(r, 0.0)` for each replica, without the snapshot: the same
-        float operations as `_decayed` (max(0.0, d) is `d if d > 0.0 else 0.0`)."""
+        float operations as `_decayed` (max(0.0, d) is `d if d > 0.0 else 0.0`; the pow is
+        Python's, the C library's, not numpy's, which may differ in the last bit)."""
+        if len(replica_ids) >= self.ARRAYS_FROM:
+            return self._values_as_array(replica_ids, now)
         get, half_life = self._tokens.get, self._half_life_s
         return [0.0 if (e := get(r)) is None else
                 e[0] * 0.5 ** ((d if (d := now - e[1]) > 0.0 else 0.0) / half_life)
                 for r in replica_ids]
+
+    def _values_as_array(self, replica_ids: Sequence[R], now: float) -> np.ndarray:
+        n = len(replica_ids)
+        slots = np.fromiter(map(self._slot.get, replica_ids, itertools.repeat(0)), np.intp, n)
+        elapsed = now - self._slot_at[slots]
+        elapsed = np.where(elapsed > 0.0, elapsed, 0.0)
+        exponents = (elapsed / self._half_life_s).tolist()
+        decay = np.fromiter(map(pow, itertools.repeat(0.5), exponents), np.float64, n)
+        return self._slot_tokens[slots] * decay  # a never-sent slot: 0.0 * decay == 0.0
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -46,3 +78,6 @@ class RoutedWorkMeter(Generic[R]):
 
     def forget_replica(self, replica_id: R) -> None:
         self._tokens.pop(replica_id, None)
+        slot = self._slot.pop(replica_id, None)
+        if slot is not None:  # its slot is not reused: a replica id that comes back gets a new one
+            self._slot_tokens[slot] = 0.0

@@ -164,7 +164,7 @@ class ScoreTable(Generic[R]):
         return by_row[ix]
 
     def score(self, ix: np.ndarray, now: float | None, request_tokens: int,
-              prompt_tokens: int, hits: np.ndarray | None, work: list[float] | None
+              prompt_tokens: int, hits: np.ndarray | None, work: Sequence[float] | None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tier, score, balance) per candidate, as score_replicas computes them.
         hits: cached prompt tokens per candidate (None: unknown); work: the routed-work
@@ -211,7 +211,7 @@ class ScoreTable(Generic[R]):
 
     def decide(self, candidates: Sequence[R], rows: Sequence[int], now: float | None,
                request_tokens: int, prompt_tokens: int, cached_tokens: Mapping[R, int] | None,
-               work: list[float] | None, pending: R | None, full: bool) -> list[R]:
+               work: Sequence[float] | None, pending: R | None, full: bool) -> list[R]:
         """rank_replicas's answer (full: every candidate, best first; else only the best).
         cached_tokens: every candidate's prefix-cache answer (missing: 0), or None;
         pending: the affinity table's replica for this prompt's key (None: none)."""
