@@ -102,6 +102,7 @@ class ClusterSim:
         self._slot_by_id: dict[str, ReplicaSlot] = {}
         self._free: list[ReplicaSlot] | None = None  # running slots with room (None: stale)
         self._free_ids: list[str] = []  # their replica ids, when _free is not None
+        self._free_position: dict[str, int] = {}  # replica id -> its place in _free_ids
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self.packed_prefixes = PackedPrefixes()
@@ -215,12 +216,21 @@ class ClusterSim:
             free = self._free = [s for s in self.slots if s.state == RUNNING
                                  and s.ongoing < limit]
             self._free_ids = [s.replica_id for s in free]
+            self._free_position = {rid: i for i, rid in enumerate(self._free_ids)}
         if not free:
             return False
-        views = list(map(router.views.get, self._free_ids))  # C-speed: most are cached
-        if None in views:
-            views = [view or self._view(router, slot)
-                     for view, slot in zip(views, free, strict=True)]
+        if router.offered_for is not self._free_ids:  # other replicas are free: all anew
+            router.offered = [router.views.get(s.replica_id) or self._view(router, s)
+                              for s in free]
+            router.offered_for = self._free_ids
+        else:  # the same ones: only the views dropped since this router's last request
+            position = self._free_position
+            for rid in router.changed:
+                i = position.get(rid)
+                if i is not None:
+                    router.offered[i] = self._view(router, free[i])
+        router.changed.clear()
+        views = router.offered.copy()
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
         ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache)
@@ -367,7 +377,7 @@ class ClusterSim:
             self._free = None
             self.published.pop(slot.replica_id, None)
             for router in self.routers:
-                router.views.pop(slot.replica_id, None)
+                router.drop_view(slot.replica_id)
             if slot.ongoing == 0:
                 self._stop(slot)
         self._replicas_changed()

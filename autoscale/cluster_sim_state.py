@@ -43,6 +43,12 @@ class RouterState:
     unseen: dict[str, dict[str, int]] = field(default_factory=dict)  # sent after the stats
     unseen_tokens: dict[str, int] = field(default_factory=dict)
     views: dict[str, ReplicaView] = field(default_factory=dict)  # valid until a change
+    # The views of the replicas offered to the last request, in the cluster's order of its
+    # free replicas (`offered_for`, that list), and the replicas whose view was dropped
+    # since: the next request patches those few rather than looking up every view.
+    offered: list[ReplicaView] = field(default_factory=list)
+    offered_for: list[str] | None = None
+    changed: set[str] = field(default_factory=set)
 
     def correction(self, replica_id: str) -> Correction:
         """What `InFlightTracker.corrections` gives for this replica, kept incrementally."""
@@ -57,7 +63,7 @@ class RouterState:
         self.committed[replica_id] = self.committed.get(replica_id, 0) + tokens
         self.unseen.setdefault(replica_id, {})[request_id] = tokens
         self.unseen_tokens[replica_id] = self.unseen_tokens.get(replica_id, 0) + tokens
-        self.views.pop(replica_id, None)
+        self.drop_view(replica_id)
 
     def completed(self, replica_id: str, request_id: str, tokens: int) -> None:
         self.ongoing[replica_id] -= 1
@@ -65,13 +71,18 @@ class RouterState:
         unseen = self.unseen.get(replica_id)
         if unseen and request_id in unseen:
             self.unseen_tokens[replica_id] -= unseen.pop(request_id)
-        self.views.pop(replica_id, None)
+        self.drop_view(replica_id)
 
     def stats_published(self, replica_id: str) -> None:
         """The replica's new stats reflect everything routed to it so far."""
         self.unseen.pop(replica_id, None)
         self.unseen_tokens.pop(replica_id, None)
+        self.drop_view(replica_id)
+
+    def drop_view(self, replica_id: str) -> None:
+        """Its view is out of date: the next request builds it anew."""
         self.views.pop(replica_id, None)
+        self.changed.add(replica_id)
 
 
 @contextmanager
