@@ -169,15 +169,16 @@ class SimReplica:
             params = self._params[spec.max_tokens] = SamplingParams(
                 max_tokens=spec.max_tokens, ignore_eos=True)
         prompt = spec.prompt_token_ids
+        private = None  # its first private block, marked once it is accepted
         if isinstance(prompt, SyntheticPrompt):
             # It stands in for the list (see its docstring): a list would make ~1k int
             # objects a request, whose churn scatters the heap that the caches' keys live in.
             request = Request(spec.request_id, prompt, params, now)  # type: ignore[arg-type]
             bm = self.block_manager
             if bm.enable_prefix_caching:
-                private = prompt.first_private_block(bm.block_size)
-                if private is not None and self.config.lazy_private_blocks:
-                    bm.mark_private(spec.request_id, private)
+                if self.config.lazy_private_blocks:
+                    private = prompt.first_private_block(bm.block_size)
+                if private is not None:
                     # its own tokens are hashed only after a preemption: not worth packing
                     request.prompt_token_bytes = self.packed_prefixes.prefix_bytes(prompt)
                 else:
@@ -185,7 +186,9 @@ class SimReplica:
         else:
             request = Request(spec.request_id, list(prompt), params, now)
         request.token_times = array("d")  # type: ignore[assignment]
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request)  # raises if it can never run: nothing marked
+        if private is not None:
+            self.block_manager.mark_private(spec.request_id, private)
         self._output_token[spec.request_id] = spec.output_token_id
         if self.step_end is None:
             self._start_step(now, continuing=False)

@@ -275,3 +275,17 @@ def test_stats_count_no_prefill_left_for_a_decode_that_joined_one_prompt_token_s
         queued.append(seen)
     assert queued[0] == queued[1]
     assert queued[0][0] == 1 and queued[0][1:] == [0] * 9
+
+
+def test_a_rejected_private_request_leaves_no_mark() -> None:
+    from iterserve.autoscale.cluster_sim_replica import SimReplica
+    from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
+
+    config = ClusterSimConfig(**{**SMALL.__dict__, "num_blocks": 400})
+    replica = SimReplica("replica-0", config, 0.0)
+    too_long = SimRequest("big", 0.0, SyntheticPrompt((), 1 << 31, 4000, private=True), 8)
+    with pytest.raises(ValueError):
+        replica.add(too_long, 0.0)
+    assert not replica.block_manager.private_from
+    replica.add(SimRequest("ok", 0.0, SyntheticPrompt((), 1 << 30, 40, private=True), 8), 0.0)
+    assert replica.block_manager.private_from == {"ok": 0}
