@@ -65,6 +65,7 @@ from iterserve.autoscale.cluster_sim_types import (
 from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.routing_context import (
     AutoscalingPolicy,
+    OfferDelta,
     ReplicaView,
     RouteRequest,
     RoutingContext,
@@ -219,9 +220,10 @@ class ClusterSim:
             self._free_position = {rid: i for i, rid in enumerate(self._free_ids)}
         if not free:
             return False
+        changed: list[int] = []
         if router.offered_for is not self._free_ids:  # other replicas are free: all anew
             router.offered = [router.views.get(s.replica_id) or self._view(router, s)
-                              for s in free]
+                              for s in free]  # a new list: a new token for the policy
             router.offered_for = self._free_ids
         else:  # the same ones: only the views dropped since this router's last request
             position = self._free_position
@@ -229,11 +231,13 @@ class ClusterSim:
                 i = position.get(rid)
                 if i is not None:
                     router.offered[i] = self._view(router, free[i])
+                    changed.append(i)
         router.changed.clear()
         views = router.offered.copy()
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
-        ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache)
+        ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache,
+                             OfferDelta(router.offered, changed))
         chosen = router.policy.choose(ctx, router.rng)
         slot = self._slot_by_id.get(chosen)
         if slot is None or slot.state != RUNNING or slot.ongoing >= limit:  # not offered

@@ -18,12 +18,13 @@ come from, and where the in-flight corrections come from (`InFlightSource`):
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_state import KVRouterCore
-from iterserve.autoscale.routing_context import RouteRequest, RoutingContext
+from iterserve.autoscale.router_table import OfferedRows
+from iterserve.autoscale.routing_context import ReplicaView, RouteRequest, RoutingContext
 from iterserve.autoscale.shuffle import shuffle
 
 InFlightSource = Literal["own-tracker", "caller-views"]
@@ -52,7 +53,9 @@ class IterserveRouter:
         self.use_replica_cache = use_replica_cache
         self.in_flight = in_flight
         self._pending: tuple[str, int | None, int] | None = None
-        self._cached: dict[Hashable, int] | None = None
+        self._cached: Mapping[Hashable, int] | None = None
+        self._offer_token: object = None  # the caller's token of the offer below
+        self._offered: OfferedRows[Hashable] | None = None
 
     def _key(self, request: RouteRequest) -> tuple[int | None, int]:
         pending = self._pending
@@ -63,22 +66,52 @@ class IterserveRouter:
         return key, tokens
 
     def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
+        if ctx.offer is not None and self.in_flight == OWN_TRACKER:
+            return self._choose_offered(ctx, rng)
         shuffled = list(ctx.replicas)
         shuffle(rng, shuffled)
         ids = [v.replica_id for v in shuffled]
         key, tokens = self._key(ctx.request)
         prompt = ctx.request.prompt_token_ids
-        self._cached = None
-        if self.use_replica_cache:
-            if ctx.prefix_cache is not None:  # the caller answers for every replica at once
-                self._cached = ctx.prefix_cache(prompt, ids)
-            elif all(v.cached_prefix_tokens is not None for v in shuffled):
-                self._cached = {v.replica_id: v.cached_prefix_tokens(prompt) for v in shuffled}
+        self._cached = self._cache_answers(ctx, shuffled, ids)
         corrections = [v.correction for v in shuffled] if self.in_flight == CALLER_VIEWS \
             else None
         return self.core.best(ids, [v.load for v in shuffled], key, tokens, ctx.now,
                               prompt_tokens=len(prompt), cached_tokens=self._cached,
                               corrections=corrections)
+
+    def _choose_offered(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
+        """choose() where the caller says what changed since the previous request
+        (`OfferDelta`): the same decision, with per-replica work only for what changed.
+        The replicas are not shuffled, their positions are (the same draws as shuffling
+        the views), and the shuffled order breaks ties."""
+        views, offer = ctx.replicas, ctx.offer
+        order = list(range(len(views)))
+        shuffle(rng, order)
+        offered = self._offered
+        changed: Sequence[int] = offer.changed
+        if offered is None or offer.token is not self._offer_token:
+            offered = self._offered = self.core.offer([v.replica_id for v in views])
+            self._offer_token = offer.token
+            changed = range(len(views))
+        key, tokens = self._key(ctx.request)
+        prompt = ctx.request.prompt_token_ids
+        self._cached = self._cache_answers(ctx, views, offered.ids)
+        return self.core.best_offered(offered, order, changed, lambda i: views[i].load, key,
+                                      tokens, ctx.now, prompt_tokens=len(prompt),
+                                      cached_tokens=self._cached)
+
+    def _cache_answers(self, ctx: RoutingContext, views: Sequence[ReplicaView],
+                       ids: Sequence[Hashable]) -> Mapping[Hashable, int] | None:
+        """The replicas' own prefix-cache answers for this prompt, if used and known."""
+        if not self.use_replica_cache:
+            return None
+        prompt = ctx.request.prompt_token_ids
+        if ctx.prefix_cache is not None:  # the caller answers for every replica at once
+            return ctx.prefix_cache(prompt, ids)
+        if all(v.cached_prefix_tokens is not None for v in views):
+            return {v.replica_id: v.cached_prefix_tokens(prompt) for v in views}
+        return None
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:
         key, tokens = self._key(request)

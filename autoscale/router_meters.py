@@ -29,6 +29,7 @@ class RoutedWorkMeter(Generic[R]):
         self._tokens: dict[R, tuple[float, float]] = {}  # replica -> (tokens, as of time)
         # The same entries as arrays: replica -> slot; slot 0 is "never sent" (0 tokens).
         self._slot: dict[R, int] = {}
+        self.slots_version = 0  # changes whenever a replica's slot does (see `slots`)
         self._next_slot = 1
         self._slot_tokens = np.zeros(16)
         self._slot_at = np.zeros(16)
@@ -45,6 +46,7 @@ class RoutedWorkMeter(Generic[R]):
         if slot is None:
             slot = self._slot[replica_id] = self._next_slot
             self._next_slot += 1
+            self.slots_version += 1
             if slot == len(self._slot_tokens):
                 self._slot_tokens = np.concatenate([self._slot_tokens, np.zeros(slot)])
                 self._slot_at = np.concatenate([self._slot_at, np.zeros(slot)])
@@ -61,14 +63,21 @@ class RoutedWorkMeter(Generic[R]):
                 e[0] * 0.5 ** ((d if (d := now - e[1]) > 0.0 else 0.0) / half_life)
                 for r in replica_ids]
 
-    def _values_as_array(self, replica_ids: Sequence[R], now: float) -> np.ndarray:
+    def slots(self, replica_ids: Sequence[R]) -> np.ndarray:
+        """The replicas' slots, for `values_at`: valid while `slots_version` is unchanged."""
         n = len(replica_ids)
-        slots = np.fromiter(map(self._slot.get, replica_ids, itertools.repeat(0)), np.intp, n)
+        return np.fromiter(map(self._slot.get, replica_ids, itertools.repeat(0)), np.intp, n)
+
+    def values_at(self, slots: np.ndarray, now: float) -> np.ndarray:
+        """`values` of the replicas whose `slots` these are (an array at any count)."""
         elapsed = now - self._slot_at[slots]
         elapsed = np.where(elapsed > 0.0, elapsed, 0.0)
         exponents = (elapsed / self._half_life_s).tolist()
-        decay = np.fromiter(map(pow, itertools.repeat(0.5), exponents), np.float64, n)
+        decay = np.fromiter(map(pow, itertools.repeat(0.5), exponents), np.float64, len(slots))
         return self._slot_tokens[slots] * decay  # a never-sent slot: 0.0 * decay == 0.0
+
+    def _values_as_array(self, replica_ids: Sequence[R], now: float) -> np.ndarray:
+        return self.values_at(self.slots(replica_ids), now)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -80,4 +89,5 @@ class RoutedWorkMeter(Generic[R]):
         self._tokens.pop(replica_id, None)
         slot = self._slot.pop(replica_id, None)
         if slot is not None:  # its slot is not reused: a replica id that comes back gets a new one
+            self.slots_version += 1
             self._slot_tokens[slot] = 0.0

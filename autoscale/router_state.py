@@ -10,8 +10,10 @@ the same state.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Generic
+
+import numpy as np
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_meters import RoutedWorkMeter
@@ -22,7 +24,7 @@ from iterserve.autoscale.router_policy import (
     R,
     prefix_hash,
 )
-from iterserve.autoscale.router_table import ScoreTable
+from iterserve.autoscale.router_table import OfferedRows, ScoreTable
 from iterserve.autoscale.signals import ReplicaLoad
 
 
@@ -34,6 +36,8 @@ class KVRouterCore(Generic[R]):
         self.routed_work: RoutedWorkMeter[R] = RoutedWorkMeter(config.routed_work_half_life_s)
         self.table: ScoreTable[R] = ScoreTable(config)
         self.in_flight.on_change = self.table.invalidate
+        # The routed-work slots of the last offer asked about, and the meter's slot version
+        self._offer_slots: tuple[OfferedRows[R], int, np.ndarray] | None = None
 
     def request_key(self, token_ids: Sequence[int] | None, max_tokens: int
                     ) -> tuple[int | None, int]:
@@ -83,6 +87,37 @@ class KVRouterCore(Generic[R]):
             work = self.routed_work.values(candidates, now)
         return table.decide(candidates, rows, now, num_tokens, prompt_tokens,
                             cached_tokens, work, pending, full)
+
+    def offer(self, candidates: Sequence[R]) -> OfferedRows[R]:
+        """The candidates as a list the caller will offer again (see `best_offered`)."""
+        return self.table.offer(candidates)
+
+    def best_offered(self, offered: OfferedRows[R], order: Sequence[int],
+                     changed: Iterable[int], load_at: Callable[[int], ReplicaLoad | None],
+                     key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
+                     cached_tokens: Mapping[R, int] | None = None) -> R:
+        """`best` with this router's own tracker for the candidates `offered.ids[j] for j
+        in order` (order: a permutation of the offer's positions; it only breaks ties), whose
+        loads are `load_at(i)` for position i and differ from the last call with this offer
+        only at the `changed` positions: the per-candidate work is done for those alone."""
+        table = self.table
+        table.refresh_offered(offered, changed, load_at, self.in_flight.correction)
+        affinity = self.affinity.as_mapping()
+        pending = affinity.get(key) if affinity and key is not None else None
+        work = None
+        if self.config.routed_work_weight and len(self.routed_work):
+            work = self._offered_work(offered, now)
+        return table.best_offered(offered, order, now, num_tokens, prompt_tokens,
+                                  cached_tokens, work, pending)
+
+    def _offered_work(self, offered: OfferedRows[R], now: float) -> Sequence[float]:
+        meter, ids = self.routed_work, offered.ids
+        if len(ids) < meter.ARRAYS_FROM:
+            return meter.values(ids, now)
+        slots = self._offer_slots
+        if slots is None or slots[0] is not offered or slots[1] != meter.slots_version:
+            slots = self._offer_slots = (offered, meter.slots_version, meter.slots(ids))
+        return meter.values_at(slots[2], now)
 
     def routed(self, request_id: str, replica_id: R, now: float, key: int | None,
                num_tokens: int, prefill_tokens: int = 0) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic
 
 import numpy as np
@@ -68,6 +68,8 @@ class ScoreTable(Generic[R]):
         self._given_corrections: list[object] = []
         self._any_drained = False  # some row was computed from a drained Correction
         self._unknown_kv: set[int] = set()  # rows whose KV_TOKENS is 0 (no block count)
+        self._stale: set[int] = set()  # rows invalidated and not computed since
+        self._epoch = 0  # counts `refresh` calls: an offer refreshed in another is rescanned
 
     # ------------------------------------------------------------------------ rows
     def rows_for(self, candidates: Sequence[R]) -> list[int]:
@@ -95,6 +97,7 @@ class ScoreTable(Generic[R]):
         row = self._row_of.get(replica_id)
         if row is not None:
             self._own_loads[row] = _UNSET
+            self._stale.add(row)
 
     def forget(self, replica_id: R) -> None:
         self.invalidate(replica_id)  # its row stays allocated (a replica id is not reused)
@@ -107,6 +110,7 @@ class ScoreTable(Generic[R]):
         """Recompute the rows whose stats object (or given correction) is not the one their
         terms came from. corrections None: each row's correction is tracker(replica, load),
         this router's own tracker, whose changes arrive through `invalidate`."""
+        self._epoch += 1
         if corrections is None:
             if tracker is None:
                 raise ValueError("need the corrections or a tracker to ask")
@@ -128,6 +132,7 @@ class ScoreTable(Generic[R]):
     def _compute(self, row: int, load: ReplicaLoad | None, correction: Correction | None
                  ) -> None:
         config = self.config
+        self._stale.discard(row)
         corr = _NO_CORRECTION if correction is None else correction
         # now=None: staleness is the per-request part (it depends on the request's time)
         eff_waiting, eff_kv, hot, _ = effective_load(load, corr, None, config)
@@ -149,6 +154,55 @@ class ScoreTable(Generic[R]):
             self._unknown_kv.discard(row)
         else:
             self._unknown_kv.add(row)
+
+    # ---------------------------------------------------------------------- offers
+    def offer(self, candidates: Sequence[R]) -> OfferedRows[R]:
+        return OfferedRows(list(candidates), self.rows_for(candidates))
+
+    def refresh_offered(self, offered: OfferedRows[R], changed: Iterable[int],
+                        load_at: Callable[[int], ReplicaLoad | None],
+                        tracker: Callable[[R, ReplicaLoad | None], Correction | None]) -> None:
+        """`refresh` with this router's own tracker, for a candidate list offered again:
+        changed: the positions whose load may differ from the last time it was refreshed
+        here (every other position's load is the same object); load_at(i): position i's.
+        Rows invalidated since are recomputed too; an offer refreshed before another
+        `refresh` ran is scanned whole."""
+        seen, rows, ids = self._own_loads, offered.rows, offered.ids
+        if offered.epoch != self._epoch:
+            changed = range(len(rows))
+        for i in changed:
+            row, load = rows[i], load_at(i)
+            if load is not seen[row]:
+                self._compute(row, load, tracker(ids[i], load))
+                seen[row] = load
+                self._given_loads[row] = _UNSET
+        if self._stale:
+            position = offered.position_of_row
+            for row in [r for r in self._stale if r in position]:
+                i = position[row]
+                load = load_at(i)
+                self._compute(row, load, tracker(ids[i], load))
+                seen[row] = load
+                self._given_loads[row] = _UNSET
+        offered.epoch = self._epoch
+
+    def best_offered(self, offered: OfferedRows[R], order: Sequence[int], now: float | None,
+                     request_tokens: int, prompt_tokens: int,
+                     cached_tokens: Mapping[R, int] | None, work: Sequence[float] | None,
+                     pending: R | None) -> R:
+        """`decide(..., full=False)` for the candidates in the order `offered.ids[j] for j
+        in order` (a permutation), scored in the offer's own order: the order only breaks
+        ties. work: per candidate in the offer's order."""
+        if not offered.ids:
+            raise ValueError("no candidates")
+        ids = offered.ids
+        hits = self.hits(offered.ix, cached_tokens)
+        tier, score, balance = self.score(offered.ix, now, request_tokens, prompt_tokens,
+                                          hits, work)
+        lead = _first_min(tier, score, None, order)
+        preferred = self._preferred(ids, tier, score, balance, hits, prompt_tokens, pending,
+                                    lead, order)
+        return ids[lead if preferred is None else preferred]
 
     # -------------------------------------------------------------------- scoring
     def hits(self, ix: np.ndarray, cached_tokens: Mapping[R, int] | None) -> np.ndarray | None:
@@ -235,15 +289,17 @@ class ScoreTable(Generic[R]):
 
     def _preferred(self, candidates: Sequence[R], tier: np.ndarray, score: np.ndarray,
                    balance: np.ndarray, hits: np.ndarray | None, prompt_tokens: int,
-                   pending: R | None, lead: int) -> int | None:
-        """The candidate that affinity moves to the front, if any (its position)."""
+                   pending: R | None, lead: int, order: Sequence[int] | None = None
+                   ) -> int | None:
+        """The candidate that affinity moves to the front, if any (its position); order:
+        as `_first_min`'s."""
         config = self.config
         if hits is not None and config.score_prefill_work:  # cache_affinity_first
             if prompt_tokens <= 0 or config.cache_affinity_threshold > 1.0:
                 return None
             best_hit = int(hits.max())
             if best_hit > 0 and best_hit / prompt_tokens >= config.cache_affinity_threshold:
-                pref = _first_min(tier, score, hits == best_hit)
+                pref = _first_min(tier, score, hits == best_hit, order)
             elif pending is not None and (pref := _position(candidates, pending)) is not None:
                 pass
             else:
@@ -262,13 +318,34 @@ class ScoreTable(Generic[R]):
         return None
 
 
-def _first_min(tier: np.ndarray, score: np.ndarray, mask: np.ndarray | None) -> int:
-    """The first position with the least (tier, score) (among mask's, when given)."""
+def _first_min(tier: np.ndarray, score: np.ndarray, mask: np.ndarray | None,
+               order: Sequence[int] | None = None) -> int:
+    """The position with the least (tier, score) (among mask's, when given) that comes
+    first in order (a permutation of the positions; None: the positions' own order)."""
     if mask is not None:
         tier = np.where(mask, tier, TIER_DRAINING + 1)
     low = tier == tier.min()
     best = score[low].min()
-    return int(np.flatnonzero(low & (score == best))[0])
+    tied = np.flatnonzero(low & (score == best))
+    if order is None or len(tied) == 1:
+        return int(tied[0])
+    ordered = np.fromiter(order, np.intp, len(order))
+    return int(ordered[np.isin(ordered, tied)][0])
+
+
+class OfferedRows(Generic[R]):
+    """A candidate list a caller offers again and again (the same ids in the same order),
+    with its rows in the table (`ScoreTable.offer`), and the `refresh` it was last
+    brought up to date in (`ScoreTable.refresh_offered`)."""
+
+    __slots__ = ("ids", "rows", "ix", "position_of_row", "epoch")
+
+    def __init__(self, ids: list[R], rows: list[int]) -> None:
+        self.ids = ids
+        self.rows = rows
+        self.ix = np.fromiter(rows, np.intp, len(rows))
+        self.position_of_row = {row: i for i, row in enumerate(rows)}
+        self.epoch = -1  # never refreshed
 
 
 def _position(candidates: Sequence[R], replica_id: R) -> int | None:

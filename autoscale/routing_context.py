@@ -57,16 +57,35 @@ PrefixCacheAnswers = Callable[[Sequence[int], Sequence[Hashable]], Mapping[Hasha
 
 
 @dataclass(frozen=True)
+class OfferDelta:
+    """What changed in the replicas offered since this policy's previous request, where the
+    caller knows (the cluster simulator offers one router the same replicas for thousands
+    of requests in a row, a few views changing between two).
+
+    token: an object that stands for one list of replica ids in one order; a context with
+    the same token as the previous context this policy was given lists the same replica
+    ids in the same order, and its views differ from that context's only at the positions
+    in `changed` (every other view is the same object). A token new to the policy promises
+    nothing (changed is then ignored)."""
+
+    token: object
+    changed: Sequence[int]
+
+
+@dataclass(frozen=True)
 class RoutingContext:
     """prefix_cache: where the caller can answer `ReplicaView.cached_prefix_tokens` for all
     the replicas in one call (the cluster simulator: one lookup per replica cache rather
-    than a call per replica), that call; the answers are the views' own."""
+    than a call per replica), that call; the answers are the views' own. offer: what
+    changed since this policy's previous request, where the caller knows (a policy may
+    skip the per-replica work for the rest; the decision is the same without it)."""
 
     request: RouteRequest
     replicas: Sequence[ReplicaView]
     now: float
     block_size: int  # the engines' KV block size (the router's prefix granularity)
     prefix_cache: PrefixCacheAnswers | None = None
+    offer: OfferDelta | None = None
 
 
 class RoutingPolicy(Protocol):

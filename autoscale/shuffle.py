@@ -23,10 +23,16 @@ def shuffle(rng: random.Random, items: list[T]) -> None:
         rng.shuffle(items)
         return
     getrandbits = rng.getrandbits
-    for i in range(len(items) - 1, 0, -1):
-        below = i + 1  # stdlib: j = _randbelow(i + 1), by rejection on getrandbits(k)
-        k = below.bit_length()
-        j = getrandbits(k)
-        while j >= below:
+    # stdlib: for i from the end down, j = _randbelow(i + 1): getrandbits(k) with
+    # k = (i + 1).bit_length(), drawn again while j > i. k is constant over runs of i, so
+    # it is computed once per run.
+    top = len(items) - 1
+    while top > 0:
+        k = (top + 1).bit_length()
+        low = 1 << (k - 1)  # i + 1 >= low has bit_length k
+        for i in range(top, low - 2, -1):
             j = getrandbits(k)
-        items[i], items[j] = items[j], items[i]
+            while j > i:
+                j = getrandbits(k)
+            items[i], items[j] = items[j], items[i]
+        top = low - 2
