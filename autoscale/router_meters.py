@@ -7,6 +7,7 @@ router's own sends; `rank_replicas` weighs it in (`routed_work`).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
@@ -55,7 +56,8 @@ class RoutedWorkMeter(Generic[R]):
     def values(self, replica_ids: Sequence[R], now: float) -> Sequence[float]:
         """`snapshot(now).get(r, 0.0)` for each replica, without the snapshot: the same
         float operations as `_decayed` (max(0.0, d) is `d if d > 0.0 else 0.0`; the pow is
-        Python's, the C library's, not numpy's, which may differ in the last bit)."""
+        Python's, the C library's, not numpy's, which may differ in the last bit: math.pow
+        on arrays, the same libm call as `**` on floats)."""
         if len(replica_ids) >= self.ARRAYS_FROM:
             return self._values_as_array(replica_ids, now)
         get, half_life = self._tokens.get, self._half_life_s
@@ -70,10 +72,10 @@ class RoutedWorkMeter(Generic[R]):
 
     def values_at(self, slots: np.ndarray, now: float) -> np.ndarray:
         """`values` of the replicas whose `slots` these are (an array at any count)."""
-        elapsed = now - self._slot_at[slots]
-        elapsed = np.where(elapsed > 0.0, elapsed, 0.0)
+        elapsed = np.maximum(now - self._slot_at[slots], 0.0)  # as max(0.0, d), to the bit
         exponents = (elapsed / self._half_life_s).tolist()
-        decay = np.fromiter(map(pow, itertools.repeat(0.5), exponents), np.float64, len(slots))
+        decay = np.fromiter(map(math.pow, itertools.repeat(0.5), exponents), np.float64,
+                            len(slots))
         return self._slot_tokens[slots] * decay  # a never-sent slot: 0.0 * decay == 0.0
 
     def _values_as_array(self, replica_ids: Sequence[R], now: float) -> np.ndarray:

@@ -235,8 +235,12 @@ class ScoreTable(Generic[R]):
             share = np.full(n, config.inflight_kv_per_request * 1)
             np.divide(request_tokens, kv_tokens, out=share, where=kv_tokens > 0.0)
         hot = terms[:, EFF_KV] + share >= config.kv_high_watermark
-        if now is not None:
-            hot |= now - terms[:, STALE_FROM] > config.stats_stale_after_s
+        stale_from = terms[:, STALE_FROM]
+        # now - t falls as t grows (IEEE subtraction is monotone), so some row is stale
+        # exactly when the oldest is: usually none is, and the elementwise test is skipped
+        if now is not None and len(stale_from) and \
+                now - stale_from.min() > config.stats_stale_after_s:
+            hot |= now - stale_from > config.stats_stale_after_s
         tier = np.maximum(terms[:, TIER], hot)  # HOT is 1: a hot OK row becomes HOT
         score = terms[:, BASE]
         best_hit = 0
@@ -258,7 +262,7 @@ class ScoreTable(Generic[R]):
         else:
             weight = config.routed_work_weight * (
                 1.0 - min(1.0, best_hit / max(1, prompt_tokens)))
-            values = np.array(work)
+            values = np.asarray(work)
             least = values.min() if len(work) else 0.0
             balance = weight * (values - least) / config.prefill_tokens_per_waiting
         return tier, score + balance, balance
