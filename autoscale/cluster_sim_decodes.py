@@ -23,7 +23,8 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from iterserve.replica.block_manager import BlockManager, BlockTokens, block_tokens
+from iterserve.replica.block_keys import BlockTokens, block_tokens
+from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 
 

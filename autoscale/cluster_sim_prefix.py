@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
-from iterserve.replica.block_manager import ROOT_HASH, BlockHash, block_hash, block_tokens
+from iterserve.replica.block_keys import ROOT_HASH, BlockHash, block_hash, block_tokens
 
 
 class PromptBlockKeys:

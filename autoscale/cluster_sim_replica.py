@@ -37,7 +37,8 @@ from iterserve.autoscale.cluster_sim_types import (
     SyntheticPrompt,
 )
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.replica.block_manager import BlockManager, BlockTokens
+from iterserve.replica.block_keys import BlockTokens
+from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.prefill_rate import PrefillRateMeter

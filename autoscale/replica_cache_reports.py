@@ -20,7 +20,7 @@ from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
-from iterserve.replica.block_manager import block_tokens
+from iterserve.replica.block_keys import block_tokens
 
 
 class ParsedLoads:

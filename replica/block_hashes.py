@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from iterserve.replica.block_manager import ROOT_HASH, BlockHash, BlockTokens, block_tokens
+from iterserve.replica.block_keys import ROOT_HASH, BlockHash, BlockTokens, block_tokens
 
 ROOT = 0  # the chain's parent before the first block
 # A report holds at most this many hashes (8 bytes each on the wire, every routing-stats

@@ -19,35 +19,19 @@ from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
+from iterserve.replica.block_keys import (
+    ROOT_HASH,
+    BlockHash,
+    BlockTokens,
+    block_hash,
+    block_tokens,
+)
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.request import Request
 
-BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its hash reads them: block_tokens
-BlockHash = int  # block_hash(parent's BlockHash, tokens): names the prefix up to the block
-ROOT_HASH = 0  # the parent of a chain's first block
 # A request's physical block ids in order: a C int32 array, so a step's input preparation
 # copies every table into its [S, M] array as raw bytes instead of converting Python ints.
 BlockTable = array  # array("i")
-
-
-def block_tokens(tokens: Sequence[int]) -> BlockTokens:
-    """A block's tokens as its prefix-cache key holds them: 8 bytes a token (a bytes object
-    caches its own hash and holds no int objects, so a cache of millions of blocks takes a
-    third of the memory, and evicting one touches a few cache lines, not one per token),
-    or a tuple where a token id does not fit int64. One form per content: equal blocks get
-    equal keys, so the prefix cache finds what it found with tuples of ints."""
-    try:
-        return array("q", tokens).tobytes()
-    except (OverflowError, TypeError):
-        return tuple(tokens)
-
-
-def block_hash(parent: BlockHash, tokens: BlockTokens) -> BlockHash:
-    """The chain hash of a block whose previous block's hash is `parent` (ROOT_HASH for a
-    first block). Python's hash of a tuple: the bytes in it are hashed with a per-process
-    key (PYTHONHASHSEED), so these hashes mean nothing in another process (a router there
-    uses replica/block_hashes.py's stable ones); 64 bits, like vLLM's builtin block hash."""
-    return hash((parent, tokens))
 
 
 class PrefixCacheListener(Protocol):

@@ -17,14 +17,14 @@ from iterserve.replica.block_hashes import (
     prompt_block_hashes,
     stable_block_hash,
 )
-from iterserve.replica.block_manager import (
+from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
-    BlockManager,
     BlockTokens,
     block_hash,
     block_tokens,
 )
+from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
 

@@ -218,7 +218,7 @@ def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
 def test_block_keys_take_one_form_per_content_even_past_int64() -> None:
     """block_tokens: bytes for int64 token ids, a tuple otherwise, decided per block, so
     a prefix registered in one pass is found block by block (and by PromptBlockKeys)."""
-    from iterserve.replica.block_manager import block_tokens
+    from iterserve.replica.block_keys import block_tokens
 
     assert block_tokens([1, 2]) == block_tokens((1, 2)) != block_tokens([2, 1])
     assert block_tokens([2**63, 1]) == (2**63, 1)

@@ -1,0 +1,36 @@
+"""A prefix-cache block's key: its tokens (`block_tokens`) and its chain hash (`block_hash`).
+
+The prefix cache is keyed by a chain hash, as vLLM's is: a block's hash is
+`block_hash(parent's hash, its tokens)`, the parent of a prompt's first block being
+ROOT_HASH, so one int names the whole prefix up to that block (`block_manager`). These are
+per-process hashes; `block_hashes` has the stable ones a router in another process uses.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+BlockTokens = bytes | tuple[int, ...]  # a block's tokens as its hash reads them: block_tokens
+BlockHash = int  # block_hash(parent's BlockHash, tokens): names the prefix up to the block
+ROOT_HASH = 0  # the parent of a chain's first block
+
+
+def block_tokens(tokens: Sequence[int]) -> BlockTokens:
+    """A block's tokens as its prefix-cache key holds them: 8 bytes a token (a bytes object
+    caches its own hash and holds no int objects, so a cache of millions of blocks takes a
+    third of the memory, and evicting one touches a few cache lines, not one per token),
+    or a tuple where a token id does not fit int64. One form per content: equal blocks get
+    equal keys, so the prefix cache finds what it found with tuples of ints."""
+    try:
+        return array("q", tokens).tobytes()
+    except (OverflowError, TypeError):
+        return tuple(tokens)
+
+
+def block_hash(parent: BlockHash, tokens: BlockTokens) -> BlockHash:
+    """The chain hash of a block whose previous block's hash is `parent` (ROOT_HASH for a
+    first block). Python's hash of a tuple: the bytes in it are hashed with a per-process
+    key (PYTHONHASHSEED), so these hashes mean nothing in another process (a router there
+    uses replica/block_hashes.py's stable ones); 64 bits, like vLLM's builtin block hash."""
+    return hash((parent, tokens))
