@@ -13,6 +13,11 @@ come from, and where the in-flight corrections come from (`InFlightSource`):
 - `CALLER_VIEWS`: the caller's `ReplicaView.correction`, which the cluster simulator keeps
   incrementally as `InFlightTracker.corrections` would (tests/unit/test_cluster_sim.py
   checks the two agree).
+
+Where the caller says what changed since this router's previous request
+(`RoutingContext.offer`, as the simulator does), the own-tracker router keeps that list's
+rows and redoes per-replica work only for the changed views (`KVRouterCore.best_offered`):
+the same decision and the same random draws (tests/unit/test_router_offer.py).
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ class IterserveRouter:
         shuffle(rng, order)
         offered = self._offered
         changed: Sequence[int] = offer.changed
-        if offered is None or offer.token is not self._offer_token:
+        if offered is None or offer.token is not self._offer_token \
+                or len(offered.ids) != len(views):  # a new list (or a caller that lied)
             offered = self._offered = self.core.offer([v.replica_id for v in views])
             self._offer_token = offer.token
             changed = range(len(views))
