@@ -353,12 +353,19 @@ class BlockManager:
             uncached, cached = self._free_private_tail(table, private,
                                                        request.num_computed_tokens)
             table = table[:private]
+        # Its own full blocks never hashed (newest first, before any hashed at a preemption):
+        # nothing can find them, so any of them may stand in for another (FreeBlockPool).
+        num_anonymous = 0
+        for block_id in cached:
+            if keys[block_id] is not None:
+                break
+            num_anonymous += 1
         for block_id in reversed(table):
             left = refs[block_id] - 1
             refs[block_id] = left
             if left == 0:
                 (uncached if keys[block_id] is None else cached).append(block_id)
-        self.free_pool.release(uncached, cached)
+        self.free_pool.release(uncached, cached, num_anonymous)
 
     def _free_private_tail(self, table: BlockTable, private: int, num_computed_tokens: int
                            ) -> tuple[list[int], list[int]]:

@@ -85,3 +85,74 @@ def test_taking_more_than_is_free_takes_nothing() -> None:
     assert pool.take(3) == [0, 1, 2]
     with pytest.raises(RuntimeError, match="not a cached free block"):
         pool.remove(1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_anonymous_blocks_take_cached_places_and_any_one_fills_a_place(seed: int) -> None:
+    """Anonymous blocks (full, findable by nobody) keep a cached block's place in the
+    reuse order; which of them is taken there is the pool's choice (here: the newest)."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([4, 16, 300])
+    pool, reference = FreeBlockPool(num_blocks), ReferencePool(num_blocks)
+    held: list[int] = []
+    cached: set[int] = set()
+    anonymous: list[int] = []  # free anonymous blocks, the newest last
+    next_marker = -1  # the reference's place holders: -1, -2, ...
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35 and pool.num_free:
+            count = rng.randint(1, pool.num_free)
+            taken, places = pool.take(count), reference.take(count)
+            for block_id, place in zip(taken, places, strict=True):
+                if place < 0:
+                    assert block_id == anonymous.pop()  # the newest anonymous block
+                else:
+                    assert block_id == place
+            cached.difference_update(taken)
+            held += taken
+        elif op < 0.7 and held:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            let_go, held = held[:k], held[k:]
+            cached.update(b for b in let_go if rng.random() < 0.4)
+            anon = [b for b in let_go if b not in cached and rng.random() < 0.5]
+            uncached = [b for b in let_go if b not in cached and b not in anon]
+            registered = [b for b in let_go if b in cached]
+            pool.release(uncached, anon + registered, len(anon))
+            markers = list(range(next_marker, next_marker - len(anon), -1))
+            next_marker -= len(anon)
+            reference.release(uncached, markers + registered)
+            anonymous += anon
+        else:
+            free_cached = [b for b in reference.order if b >= 0 and b in cached]
+            if free_cached:
+                block_id = rng.choice(free_cached)
+                pool.remove(block_id)
+                reference.remove(block_id)
+                held.append(block_id)
+        assert pool.anonymous_blocks() == frozenset(anonymous)
+        assert [b if b not in anonymous else -1 for b in pool.in_reuse_order()] == \
+            [b if b >= 0 else -1 for b in reference.order]
+        assert pool.num_free == len(reference.order)
+    pool.check()
+
+
+def test_an_anonymous_block_cannot_be_removed_as_a_prefix_hit() -> None:
+    pool = FreeBlockPool(4)
+    taken = pool.take(2)
+    pool.release([], taken, 2)
+    with pytest.raises(RuntimeError):
+        pool.remove(taken[0])
+
+
+def test_compaction_keeps_the_anonymous_places() -> None:
+    pool = FreeBlockPool(8)
+    anon = pool.take(2)
+    (block_id,) = pool.take(1)
+    pool.release([], anon, 2)
+    for _ in range(5_000):  # stale entries pile up until the queue is compacted
+        pool.release([], [block_id])
+        pool.remove(block_id)
+    assert len(pool._cached) <= 1030
+    assert pool.in_reuse_order()[-2:] == anon[::-1]  # newest first
+    pool.check()
