@@ -118,9 +118,7 @@ class ScoreTable(Generic[R]):
             changed = map(operator.is_not, loads, map(seen.__getitem__, rows))
             for i in itertools.compress(range(len(rows)), changed):  # C-speed scan
                 row, load = rows[i], loads[i]
-                self._compute(row, load, tracker(candidates[i], load))
-                seen[row] = load
-                self._given_loads[row] = _UNSET
+                self._compute_own(row, load, tracker(candidates[i], load))
         else:
             seen, used = self._given_loads, self._given_corrections
             for row, load, corr in zip(rows, loads, corrections, strict=True):
@@ -128,6 +126,13 @@ class ScoreTable(Generic[R]):
                     self._compute(row, load, corr)
                     seen[row], used[row] = load, corr
                     self._own_loads[row] = _UNSET
+
+    def _compute_own(self, row: int, load: ReplicaLoad | None, correction: Correction | None
+                     ) -> None:
+        """_compute with this router's own tracker's correction: the row now follows load."""
+        self._compute(row, load, correction)
+        self._own_loads[row] = load
+        self._given_loads[row] = _UNSET
 
     def _compute(self, row: int, load: ReplicaLoad | None, correction: Correction | None
                  ) -> None:
@@ -173,17 +178,13 @@ class ScoreTable(Generic[R]):
         for i in changed:
             row, load = rows[i], load_at(i)
             if load is not seen[row]:
-                self._compute(row, load, tracker(ids[i], load))
-                seen[row] = load
-                self._given_loads[row] = _UNSET
+                self._compute_own(row, load, tracker(ids[i], load))
         if self._stale:
             position = offered.position_of_row
             for row in [r for r in self._stale if r in position]:
                 i = position[row]
                 load = load_at(i)
-                self._compute(row, load, tracker(ids[i], load))
-                seen[row] = load
-                self._given_loads[row] = _UNSET
+                self._compute_own(row, load, tracker(ids[i], load))
         offered.epoch = self._epoch
 
     def best_offered(self, offered: OfferedRows[R], order: Sequence[int], now: float | None,
