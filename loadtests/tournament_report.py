@@ -41,7 +41,7 @@ def _scale_txt(scale: str) -> str:
     return "" if scale == "null" else f", cost x {scale}"
 
 
-def _groups(cells: list[dict[str, Any]], kind: str) -> dict[tuple, list[dict[str, Any]]]:
+def group_cells(cells: list[dict[str, Any]], kind: str) -> dict[tuple, list[dict[str, Any]]]:
     """Cells by (workload, replicas, load, cost scale); where a router ran a cell twice
     (an imported older run and this one's own), this run's, then the longer, counts."""
     chosen: dict[tuple, dict[str, Any]] = {}
@@ -190,8 +190,8 @@ def _sensitivity_ranking(cells: list[dict[str, Any]]) -> list[str]:
     base = [c for c in cells if c["kind"] == "router" and c.get("cost_scale") is None
             and any(s["workload"] == c["workload"] and s["replicas"] == c["replicas"]
                     and s["load"] == c["load"] for s in sens)]
-    groups = _groups(sens, "sensitivity")
-    groups.update(_groups(base, "router"))
+    groups = group_cells(sens, "sensitivity")
+    groups.update(group_cells(base, "router"))
     lines = ["| workload | cost scale | SLO (TTFT, ITL) | iterserve p99 rank | "
              "iterserve goodput rank | goodput rank, unscaled SLO | floors |",
              "|---|---|---|---|---|---|---|"]
@@ -304,8 +304,8 @@ def write_report(store: dict[str, Any], out: Path, stem: str) -> None:
         lines += ["Capacity (req/s per replica, round-robin, 8 replicas): " + ", ".join(
             f"{json.loads(k)[0]}{'' if json.loads(k)[1] is None else ' x' + str(json.loads(k)[1])}"
             f" {v:.2f}" for k, v in sorted(caps.items())), ""]
-    routers = _groups(cells, "router")
-    sens = _groups(cells, "sensitivity")
+    routers = group_cells(cells, "router")
+    sens = group_cells(cells, "sensitivity")
     router_lines, router_misses = _router_section("Routers", routers)
     sens_lines, sens_misses = (_router_section(
         "Sensitivity: every cost coefficient scaled", sens) if sens else ([], []))
