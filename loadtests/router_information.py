@@ -1,0 +1,105 @@
+"""How much of a router's tail comes from what it cannot see: one tournament cell rerun with
+fewer ingress routers and fresher routing stats.
+
+    python -m iterserve.loadtests.router_information --workload multi-tenant --replicas 8 \
+        --load 0.5 [--cost-scale '{"*": 2.0}'] [--seeds 0 1 2] [--router iterserve] \
+        [--variants 2:0.5 1:0.5 2:0.05 1:0.01]
+
+The tournament runs NUM_INGRESS_ROUTERS independent routers (one per ingress replica; none
+sees the others' sends) on stats `routing_stats_period_s` old. A variant "R:P" runs R routers
+on stats P seconds old: "1:0.01" is one router that sees every send and nearly fresh
+replica state, about the best information a router can have. The cell's rate and duration
+are the tournament's (capacity from the tournament store's cache, else probed), so the
+"2:0.5" row reproduces the tournament cell. pow2 (the tournament's setting) is run beside
+it: where even "1:0.01" is above pow2 / 2, a floor of "2x better than pow2" cannot be met
+by better information, only by a different policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from iterserve.autoscale.cluster_sim import simulate
+from iterserve.loadtests.cluster_workloads import make
+from iterserve.loadtests.sim_harness import RESULTS_DIR
+from iterserve.loadtests.tournament import capacities, cell_duration_s
+from iterserve.loadtests.tournament_cells import (
+    NUM_INGRESS_ROUTERS,
+    ROUTERS,
+    sim_config,
+    summarise,
+)
+
+Variant = tuple[int, float]  # ingress routers, routing stats period (s)
+
+
+def parse_variant(text: str) -> Variant:
+    routers, period = text.split(":")
+    if int(routers) < 1 or float(period) <= 0:
+        raise ValueError(f"variant {text!r}: routers >= 1 and a positive stats period")
+    return int(routers), float(period)
+
+
+def run_variant(workload: str, replicas: int, rate: float, duration_s: float, seed: int,
+                router: str, variant: Variant, cost_scale: dict[str, float] | None
+                ) -> dict[str, Any]:
+    """The cell's summary (tournament_cells.summarise) with `variant`'s routers and stats."""
+    num_routers, period = variant
+    config = dataclasses.replace(sim_config(cost_scale, seed), routing_stats_period_s=period)
+    requests = make(workload, rate, duration_s, seed)
+    result = simulate(requests, [ROUTERS[router]() for _ in range(num_routers)], replicas,
+                      config)
+    return summarise(result, seed)
+
+
+def table(rows: dict[str, dict[int, float]], seeds: Sequence[int]) -> list[str]:
+    lines = ["| routers : stats period | " + " | ".join(f"seed {s} p99 TTFT (s)" for s in seeds)
+             + " |", "|---|" + "---|" * len(seeds)]
+    for label, per_seed in rows.items():
+        lines.append(f"| {label} | " + " | ".join(f"{per_seed[s]:.3f}" for s in seeds) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--load", type=float, required=True)
+    parser.add_argument("--cost-scale", type=json.loads, default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--router", default="iterserve", choices=sorted(ROUTERS))
+    parser.add_argument("--variants", type=parse_variant, nargs="+",
+                        default=[(NUM_INGRESS_ROUTERS, 0.5), (1, 0.5), (2, 0.05), (1, 0.01)])
+    parser.add_argument("--store", type=Path, default=RESULTS_DIR / "tournament.json",
+                        help="tournament store whose capacity cache sets the rate")
+    args = parser.parse_args(argv)
+    cache = json.loads(args.store.read_text()).get("capacity", {}) if args.store.exists() else {}
+    capacity = capacities([args.workload], args.cost_scale, cache)[args.workload]
+    rate = args.load * capacity * args.replicas
+    duration = cell_duration_s(args.replicas, rate)
+    print(f"{args.workload}, {args.replicas} replicas, load {args.load}, cost scale "
+          f"{args.cost_scale}: {rate:.2f} req/s for {duration:.1f} virtual s", flush=True)
+    tournament = (NUM_INGRESS_ROUTERS, 0.5)
+    rows: dict[str, dict[int, float]] = {}
+    for seed in args.seeds:
+        pow2 = run_variant(args.workload, args.replicas, rate, duration, seed, "pow2",
+                           tournament, args.cost_scale)["ttft_p99_s"][0]
+        rows.setdefault(f"pow2, {tournament[0]} : {tournament[1]} s", {})[seed] = pow2
+        rows.setdefault("pow2 / 2", {})[seed] = pow2 / 2
+        for variant in args.variants:
+            p99 = run_variant(args.workload, args.replicas, rate, duration, seed, args.router,
+                              variant, args.cost_scale)["ttft_p99_s"][0]
+            rows.setdefault(f"{args.router}, {variant[0]} : {variant[1]} s", {})[seed] = p99
+            print(f"seed {seed} {args.router} {variant}: p99 {p99:.3f} s "
+                  f"(pow2 / ours {pow2 / p99:.2f}x)", flush=True)
+    print("\n".join(table(rows, args.seeds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
