@@ -1,8 +1,8 @@
 """The routing and autoscaling tournament on the cluster simulator.
 
-    python -m iterserve.loadtests.tournament [--jobs 2] [--estimate] [--quick]
+    python -m iterserve.loadtests.tournament [--jobs 2] [--estimate] [--quick] [--seed S]
         [--only routers|big|sensitivity|autoscalers] [--workloads ...] [--sizes ...]
-        [--loads ...] [--routers ...] [--out DIR]
+        [--loads ...] [--routers ...] [--out DIR] [--capacity-from STORE]
 
 With no --only, the issue's whole matrix in one command (`--estimate` prints its cells and
 CPU time and stops):
@@ -28,6 +28,11 @@ tournament_*.png.
 
 --quick: 8 replicas, 60 virtual s, one workload (skewed-bursts) at one fixed rate, every
 router; the CI smoke test (tests/unit/test_tournament_quick.py) runs it.
+
+--seed S draws the workloads and the simulator's randomness from S (0: the seed
+tournament.md judges); `--seed 1 --capacity-from loadtests/results/tournament.json --out
+DIR` runs seed 1's cells at seed 0's rates, and `tournament_seeds` judges the floors seed by
+seed.
 """
 
 from __future__ import annotations
@@ -174,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=list(AUTOSCALE_DURATIONS_S))
     p.add_argument("--autoscale-seeds", nargs="*", type=int, default=list(AUTOSCALE_SEEDS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--capacity-from", type=Path, default=None,
+                   help="take the capacities this store probed (another seed's cells then "
+                   "run at the same rates)")
     return p
 
 
@@ -215,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     store.setdefault("cells", {})
     store.setdefault("capacity", {})
     store.setdefault("commands", [])
+    if args.capacity_from is not None:
+        probed = json.loads(args.capacity_from.read_text()).get("capacity", {})
+        store["capacity"] = {**probed, **store["capacity"]}
     if args.quick:
         cells = [{"kind": "router", "workload": "skewed-bursts", "replicas": 8, "load": None,
                   "rate": QUICK_RATE, "duration_s": 60.0, "router": r, "seed": args.seed,

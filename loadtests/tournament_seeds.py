@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = report(seed_verdicts(cells_by_seed(stores, args.kind)))
     print("\n".join(lines))
     if args.out is not None:
-        args.out.write_text("\n".join(lines) + "\n")
+        command = "python -m iterserve.loadtests.tournament_seeds " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        head = ["# Tournament floors on several workload seeds", "", f"`{command}`", ""]
+        args.out.write_text("\n".join(head + lines) + "\n")
     return 0
 
 

@@ -64,9 +64,25 @@ def test_table_rows_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = tmp_path / "seeds.md"
     assert main([str(p) for p in paths] + ["--out", str(out)]) == 0
     text = out.read_text()
-    assert text.strip() == capsys.readouterr().out.strip()
+    assert text.startswith("# Tournament floors on several workload seeds")
+    assert f"`python -m iterserve.loadtests.tournament_seeds {paths[0]} {paths[1]}" in text
+    assert text.strip().endswith(capsys.readouterr().out.strip())
     row = next(line for line in text.splitlines() if line.startswith("| diurnal"))
     assert "1.300 (sglang): MISS p99" in row and "1.250 (sglang): MISS p99" in row
     assert row.endswith(f"| {geometric_mean([1.3, 1.25]):.3f} | 0 of 2 |")
     tenant = next(line for line in text.splitlines() if line.startswith("| multi-tenant"))
     assert "pow2 1.70x: MISS pow2-2x" in tenant and "pow2 2.40x: ok" in tenant
+
+
+def test_another_seed_runs_at_the_capacities_a_store_probed(tmp_path: Path) -> None:
+    from iterserve.loadtests.tournament import main as tournament_main
+
+    source = tmp_path / "probed.json"
+    source.write_text(json.dumps({"cells": {}, "capacity": {'["diurnal", null]': 5.0}}))
+    out = tmp_path / "seed1"
+    assert tournament_main(["--estimate", "--only", "routers", "--sizes", "8", "--workloads",
+                            "diurnal", "--routers", "pow2", "--seed", "1", "--capacity-from",
+                            str(source), "--out", str(out)]) == 0
+    # No probe ran (one would find ~8 req/s per replica), so the cells run at 5.0 per replica.
+    assert json.loads((out / "tournament.json").read_text())["capacity"] == {
+        '["diurnal", null]': 5.0}
