@@ -18,21 +18,17 @@ by better information, only by a different policy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.loadtests.cluster_workloads import make
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.tournament import capacities, cell_duration_s
 from iterserve.loadtests.tournament_cells import (
     NUM_INGRESS_ROUTERS,
     ROUTERS,
-    sim_config,
-    summarise,
+    run_cell,
 )
 
 Variant = tuple[int, float]  # ingress routers, routing stats period (s)
@@ -48,13 +44,13 @@ def parse_variant(text: str) -> Variant:
 def run_variant(workload: str, replicas: int, rate: float, duration_s: float, seed: int,
                 router: str, variant: Variant, cost_scale: dict[str, float] | None
                 ) -> dict[str, Any]:
-    """The cell's summary (tournament_cells.summarise) with `variant`'s routers and stats."""
+    """The tournament cell's summary (tournament_cells.run_cell) with `variant`'s routers
+    and stats."""
     num_routers, period = variant
-    config = dataclasses.replace(sim_config(cost_scale, seed), routing_stats_period_s=period)
-    requests = make(workload, rate, duration_s, seed)
-    result = simulate(requests, [ROUTERS[router]() for _ in range(num_routers)], replicas,
-                      config)
-    return summarise(result, seed)
+    return run_cell({"workload": workload, "replicas": replicas, "rate": rate,
+                     "duration_s": duration_s, "router": router, "seed": seed,
+                     "cost_scale": cost_scale, "ingress_routers": num_routers,
+                     "routing_stats_period_s": period})
 
 
 def table(rows: dict[str, dict[int, float]], seeds: Sequence[int]) -> list[str]:

@@ -170,10 +170,15 @@ def summarise(result: SimResult, seed: int, scale: float = 1.0) -> dict[str, Any
 
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """cell: workload, replicas, rate (requests/s), duration_s, router, seed, cost_scale;
-    optional autoscaler (name), min/max/fixed replicas. Returns cell + its summary."""
+    optional autoscaler (name), min/max/fixed replicas, and the routers' information:
+    ingress_routers (default NUM_INGRESS_ROUTERS) and routing_stats_period_s (default the
+    simulator's). Returns cell + its summary."""
     config = sim_config(cell.get("cost_scale"), cell["seed"])
+    if "routing_stats_period_s" in cell:
+        config = dataclasses.replace(config, routing_stats_period_s=cell["routing_stats_period_s"])
     requests = make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
-    routers = [ROUTERS[cell["router"]]() for _ in range(NUM_INGRESS_ROUTERS)]
+    routers = [ROUTERS[cell["router"]]()
+               for _ in range(cell.get("ingress_routers", NUM_INGRESS_ROUTERS))]
     autoscaler = None
     if cell.get("autoscaler"):
         autoscaler = autoscaler_for(cell["autoscaler"], cell["min_replicas"],
