@@ -16,7 +16,8 @@
 Virtual clock, no Ray, no sleeping. Each replica runs the production `Scheduler` and
 `BlockManager` (prefix cache on) with `CostModel` step times (`cluster_sim_replica`).
 Routers are any `RoutingPolicy` (one instance per ingress router; request i goes to router
-i mod len(routers); routers share nothing but the replicas' published stats). What the
+i mod len(routers); routers share nothing but the replicas' published stats, unless
+router_sync_delay_s tells each of the others' sends and completions that much later). What the
 cluster does to them, as Ray Serve does:
 * routing stats: each replica's `ReplicaLoad` is published every routing_stats_period_s
   (its own phase); routers see that, plus their own in-flight corrections and in-flight
@@ -66,6 +67,7 @@ from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.routing_context import (
     AutoscalingPolicy,
     OfferDelta,
+    PeerSyncedPolicy,
     ReplicaView,
     RouteRequest,
     RoutingContext,
@@ -74,7 +76,7 @@ from iterserve.autoscale.routing_context import (
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.request import Request
 
-ARRIVE, WAKE, POLL, PUSH, TICK, READY = range(6)
+ARRIVE, WAKE, POLL, PUSH, TICK, READY, PEER_ROUTED, PEER_COMPLETED = range(8)
 
 
 class ClusterSim:
@@ -87,6 +89,10 @@ class ClusterSim:
             raise ValueError("need at least one router")
         if num_replicas < 1:
             raise ValueError(f"need at least one replica, got {num_replicas}")
+        if config.router_sync_delay_s is not None and not all(
+                isinstance(p, PeerSyncedPolicy) for p in routers):
+            raise ValueError("router_sync_delay_s needs routers that hear their peers' sends "
+                             "(PeerSyncedPolicy)")
         self.config = config
         self.rng = random.Random(config.seed)
         self.routers = [RouterState(i, p, random.Random(f"{config.seed}/router/{i}"))
@@ -132,7 +138,8 @@ class ClusterSim:
         virtual seconds (a long run's heartbeat; it must not touch the simulation)."""
         next_report = progress_every_s if progress is not None else math.inf
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
-                    PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready}
+                    PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready,
+                    PEER_ROUTED: self._on_peer_routed, PEER_COMPLETED: self._on_peer_completed}
         workload, events = self.workload, self.events
         num_routers = len(self.routers)
         while self.num_open > 0:
@@ -245,6 +252,10 @@ class ClusterSim:
                              "the replicas it was offered")
         record = self.records[spec.request_id]
         self._touch(slot)
+        sync = self.config.router_sync_delay_s
+        if sync is not None:  # what the replica must prefill, as its peers will hear it
+            prefill = len(spec.prompt_token_ids) - slot.replica.cached_prefix_tokens(
+                spec.prompt_token_ids)
         try:
             slot.replica.add(spec, self.now)
         except ValueError:  # can never fit this replica: rejected, as the engine would
@@ -259,8 +270,23 @@ class ClusterSim:
         router.routed(slot.replica_id, spec.request_id, len(spec.prompt_token_ids)
                       + spec.max_tokens)
         router.policy.on_routed(route, slot.replica_id, self.now)
+        if sync is not None:
+            self._push(self.now + sync, PEER_ROUTED,
+                       (router.index, route, slot.replica_id, self.now, prefill))
         self._schedule_wake(slot)
         return True
+
+    def _on_peer_routed(self, payload: object) -> None:
+        origin, route, replica_id, sent_at, prefill = payload
+        for router in self.routers:
+            if router.index != origin:
+                router.policy.on_peer_routed(route, replica_id, sent_at, prefill, self.now)
+
+    def _on_peer_completed(self, payload: object) -> None:
+        origin, request_id, replica_id = payload
+        for router in self.routers:
+            if router.index != origin:
+                router.policy.on_completed(request_id, replica_id, self.now)
 
     def _view(self, router: RouterState, slot: ReplicaSlot) -> ReplicaView:
         rid = slot.replica_id
@@ -326,6 +352,9 @@ class ClusterSim:
         router.completed(slot.replica_id, request.request_id,
                          len(spec.prompt_token_ids) + spec.max_tokens)
         router.policy.on_completed(request.request_id, slot.replica_id, self.now)
+        if self.config.router_sync_delay_s is not None:
+            self._push(self.now + self.config.router_sync_delay_s, PEER_COMPLETED,
+                       (record.router, request.request_id, slot.replica_id))
 
     def _start_slot(self, ready_at: float) -> ReplicaSlot:
         slot = ReplicaSlot(f"replica-{len(self.slots)}", created_at=self.now)

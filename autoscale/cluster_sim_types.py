@@ -181,6 +181,10 @@ class ClusterSimConfig:
     stats and completions that many milliseconds sooner than on the real path (against a
     routing-stats period of hundreds).
 
+    router_sync_delay_s: where set, every router hears of the others' sends and completions
+    this long after them (Dynamo's router replica sync; the routers must be
+    `PeerSyncedPolicy`); None, as on Ray Serve, routers share nothing.
+
     engine_waits: where set, every step that follows its replica's previous step at once
     lasts the cost model's time plus a wait drawn from it (the engine's own CPU time,
     measured in a Ray run by the replicas' DeviceIdleMeter), from the replica's own seeded
@@ -208,6 +212,7 @@ class ClusterSimConfig:
     dispatch_latency_s: float = 0.0
     stream_latency_s: float = 0.0
     engine_waits: WaitDistribution | None = None  # engine CPU before each continuing step
+    router_sync_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",
@@ -217,6 +222,8 @@ class ClusterSimConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.startup_delay_s < 0:
             raise ValueError("startup_delay_s must be >= 0")
+        if self.router_sync_delay_s is not None and self.router_sync_delay_s < 0:
+            raise ValueError("router_sync_delay_s must be >= 0 (or None)")
         if self.dispatch_latency_s < 0 or self.stream_latency_s < 0:
             raise ValueError("dispatch_latency_s and stream_latency_s must be >= 0")
         if self.max_ongoing_requests < 1 or self.max_num_seqs < 1 or self.block_size < 1:

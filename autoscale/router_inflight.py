@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -23,6 +24,9 @@ class Correction:
     # With drain_prefill: prefill_tokens is the prefill still queued at the replica at this
     # time (the last unseen send), draining at its prefill_token_rate; None: not drained.
     prefill_as_of: float | None = None
+    # With drain_waiting: how many of the unseen requests are still in that queue at
+    # prefill_as_of (the rest are computing or done: running, not waiting); None: all are.
+    waiting: int | None = None
 
 
 class InFlightTracker(Generic[R]):
@@ -37,10 +41,16 @@ class InFlightTracker(Generic[R]):
     replica's stats, not every request in flight (thousands at 64+ replicas).
     """
 
-    def __init__(self, drain_prefill: bool = False) -> None:
+    def __init__(self, drain_prefill: bool = False, drain_waiting: bool = False) -> None:
         """drain_prefill: the unseen requests' prefill tokens form a queue that drains at
-        the replica's reported prefill_token_rate (RouterConfig.drain_inflight_prefill)."""
+        the replica's reported prefill_token_rate (RouterConfig.drain_inflight_prefill);
+        drain_waiting (with drain_prefill): only the unseen requests still in that queue
+        count as waiting (RouterConfig.drain_inflight_waiting)."""
+        if drain_waiting and not drain_prefill:
+            raise ValueError("drain_waiting counts what is left of the drained prefill "
+                             "queue: it needs drain_prefill")
         self.drain_prefill = drain_prefill
+        self.drain_waiting = drain_waiting
         self._by_request: dict[str, tuple[R, float, int, int]] = {}
         self._by_replica: dict[R, dict[str, tuple[float, int, int]]] = {}
         self._committed: dict[R, int] = {}
@@ -119,27 +129,38 @@ class InFlightTracker(Generic[R]):
                 unseen.append(entry)
         tokens = sum(t for _, t, _ in unseen)
         prefill: float = sum(p for _, _, p in unseen)
-        as_of = None
+        as_of, waiting = None, None
         if self.drain_prefill and unseen and load is not None and load.prefill_token_rate > 0:
-            prefill, as_of = self._queued_prefill(unseen, load)
-        correction = Correction(len(unseen), tokens, self._committed[rid], prefill, as_of)
+            prefill, as_of, still_queued = self._queued_prefill(unseen, load)
+            waiting = still_queued if self.drain_waiting else None
+        correction = Correction(len(unseen), tokens, self._committed[rid], prefill, as_of,
+                                waiting)
         self._given[rid] = (stamp, correction)
         return correction
 
     @staticmethod
     def _queued_prefill(unseen: list[tuple[float, int, int]], load: ReplicaLoad
-                        ) -> tuple[float, float]:
-        """(prefill tokens still queued, as of the last unseen send): a fluid queue that
-        holds the replica's reported queued prefill at its stats and drains at its
+                        ) -> tuple[float, float, int]:
+        """(prefill tokens still queued, as of the last unseen send, how many unseen sends
+        are still in the queue then): a fluid first-come-first-served queue that holds the
+        replica's reported queued prefill at its stats and drains at its
         prefill_token_rate, each unseen send (at, footprint, prefill) joining it in
         routing order."""
         rate, last = load.prefill_token_rate, load.timestamp
-        queued = float(load.queued_prefill_tokens)
+        queued = ahead = float(load.queued_prefill_tokens)  # ahead: the replica's own queue
+        sends: deque[float] = deque()  # each unseen send's prefill not computed yet
         # sorted by (at, prefill) as before, so that ties give the same floats
         for at, p in sorted((at, p) for at, _, p in unseen):
-            queued = max(0.0, queued - rate * (at - last)) + p
+            drained = rate * (at - last)
+            queued = max(0.0, queued - drained) + p
+            ahead, drained = max(0.0, ahead - drained), max(0.0, drained - ahead)
+            while sends and sends[0] <= drained:
+                drained -= sends.popleft()
+            if sends:
+                sends[0] -= drained
+            sends.append(float(p))
             last = at
-        return queued, last
+        return queued, last, len(sends)
 
     def __len__(self) -> int:
         return len(self._by_request)

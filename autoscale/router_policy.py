@@ -6,7 +6,8 @@ For each candidate replica r, with its last reported load L (possibly stale) and
 number of requests *this router* sent to r that r's stats cannot reflect yet (routed after
 L.timestamp and not yet seen complete):
 
-    eff_waiting = L.num_waiting + c
+    eff_waiting = L.num_waiting + c   (with drain_inflight_waiting: + those of the c still
+                  queued for prefill as of the last of them, `queued_prefill`'s fluid queue)
     eff_kv      = min(1, max(L.kv_usage + k, K))
     K           = committed KV: the prompt + max_tokens of every request this router sent r
                   and has not seen complete, over r's KV tokens (use_committed_kv). Unlike
@@ -146,7 +147,7 @@ def effective_load(
         max_waiting = config.max_waiting_per_replica
         return eff_waiting, eff_kv, _hot(eff_waiting, eff_kv, max_waiting, config), False
     stale = now is not None and now - load.timestamp > config.stats_stale_after_s
-    eff_waiting = load.num_waiting + corr.requests
+    eff_waiting = load.num_waiting + (corr.requests if corr.waiting is None else corr.waiting)
     eff_kv = min(1.0, max(load.kv_usage + _kv_of(corr, load, config),
                           _committed_kv(corr, load, config)))
     max_waiting = config.max_waiting_per_replica or load.max_waiting_requests

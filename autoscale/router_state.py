@@ -32,7 +32,8 @@ class KVRouterCore(Generic[R]):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.affinity: PrefixAffinityTable[R] = PrefixAffinityTable(config.prefix_max_entries)
-        self.in_flight: InFlightTracker[R] = InFlightTracker(config.drain_inflight_prefill)
+        self.in_flight: InFlightTracker[R] = InFlightTracker(config.drain_inflight_prefill,
+                                                             config.drain_inflight_waiting)
         self.routed_work: RoutedWorkMeter[R] = RoutedWorkMeter(config.routed_work_half_life_s)
         self.table: ScoreTable[R] = ScoreTable(config)
         self.in_flight.on_change = self.table.invalidate
@@ -126,6 +127,14 @@ class KVRouterCore(Generic[R]):
                               prefill_tokens=prefill_tokens)
         self.routed_work.add(replica_id, prefill_tokens, now)
         self.affinity.record(key, replica_id)
+
+    def peer_routed(self, request_id: str, replica_id: R, sent_at: float, now: float,
+                    num_tokens: int, prefill_tokens: int) -> None:
+        """Another router's send, heard of at `now`: load as if this router had sent it
+        (in flight from `sent_at`, so a replica's stats taken since count it as seen), but
+        no prefix affinity (which the replicas' own cache reports give)."""
+        self.in_flight.routed(request_id, replica_id, sent_at, prompt_tokens=num_tokens,
+                              prefill_tokens=prefill_tokens)
 
     def completed(self, request_id: str) -> None:
         self.in_flight.completed(request_id)

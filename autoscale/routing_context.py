@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from iterserve.autoscale.policy import ScalingContext
 from iterserve.autoscale.router_policy import Correction
@@ -98,6 +98,20 @@ class RoutingPolicy(Protocol):
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None: ...
 
     def on_replicas_changed(self, replica_ids: Sequence[Hashable]) -> None: ...
+
+
+@runtime_checkable
+class PeerSyncedPolicy(RoutingPolicy, Protocol):
+    """A router that counts its peers' sends as its own once it hears of them, as Dynamo's
+    KV router does with `router_replica_sync` (router replicas share their active
+    sequences). The cluster simulator tells it of each peer's send and completion
+    `ClusterSimConfig.router_sync_delay_s` after it (completions through `on_completed`)."""
+
+    def on_peer_routed(self, request: RouteRequest, replica_id: Hashable, sent_at: float,
+                       prefill_tokens: int, now: float) -> None:
+        """A peer sent `request` to `replica_id` at `sent_at`; the replica had to compute
+        `prefill_tokens` of its prompt (the rest was in its prefix cache)."""
+        ...
 
 
 class AutoscalingPolicy(Protocol):

@@ -64,6 +64,9 @@ ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {
     # the router before drain_inflight_prefill: the unseen sends' prefill counted in full
     "iterserve-nodrain": lambda: IterserveRouter(RouterConfig(drain_inflight_prefill=False),
                                                  name="iterserve-nodrain"),
+    # only the unseen sends still queued for prefill count as waiting (for router sync)
+    "iterserve-waitdrain": lambda: IterserveRouter(RouterConfig(drain_inflight_waiting=True),
+                                                   name="iterserve-waitdrain"),
 }
 
 
@@ -171,11 +174,13 @@ def summarise(result: SimResult, seed: int, scale: float = 1.0) -> dict[str, Any
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """cell: workload, replicas, rate (requests/s), duration_s, router, seed, cost_scale;
     optional autoscaler (name), min/max/fixed replicas, and the routers' information:
-    ingress_routers (default NUM_INGRESS_ROUTERS) and routing_stats_period_s (default the
-    simulator's). Returns cell + its summary."""
+    ingress_routers (default NUM_INGRESS_ROUTERS), routing_stats_period_s and
+    router_sync_delay_s (default the simulator's). Returns cell + its summary."""
     config = sim_config(cell.get("cost_scale"), cell["seed"])
-    if "routing_stats_period_s" in cell:
-        config = dataclasses.replace(config, routing_stats_period_s=cell["routing_stats_period_s"])
+    information = {k: cell[k] for k in ("routing_stats_period_s", "router_sync_delay_s")
+                   if k in cell}
+    if information:
+        config = dataclasses.replace(config, **information)
     requests = make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
     routers = [ROUTERS[cell["router"]]()
                for _ in range(cell.get("ingress_routers", NUM_INGRESS_ROUTERS))]

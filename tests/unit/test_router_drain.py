@@ -3,6 +3,7 @@ measured prefill_token_rate, the tracker's fluid queue, and what the router rank
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_inflight import Correction, InFlightTracker
-from iterserve.autoscale.router_policy import prefill_queue, queued_prefill
+from iterserve.autoscale.router_policy import effective_load, prefill_queue, queued_prefill
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
@@ -72,6 +73,39 @@ def test_without_drain_or_a_rate_every_unseen_send_counts_in_full() -> None:
         assert queued_prefill(correction, _load(10.0), 99.0, NO_DRAIN) == 1000
     assert no_rate is not None
     assert queued_prefill(no_rate, _load(10.0, rate=0.0), 99.0, DRAIN) == 1000
+
+
+def test_with_drain_waiting_only_the_sends_still_queued_count_as_waiting() -> None:
+    def tracker() -> InFlightTracker[str]:
+        sends: InFlightTracker[str] = InFlightTracker(drain_prefill=True, drain_waiting=True)
+        for request_id, at, prefill in (("q1", 10.1, 500), ("q2", 10.3, 400),
+                                        ("q3", 10.35, 100)):
+            sends.routed(request_id, "a", at, prompt_tokens=prefill + 100,
+                         prefill_tokens=prefill)
+        return sends
+
+    # at 5,000 tokens/s: q1's 500 are done by 10.3; q2's 400 have 150 left at 10.35, q3 waits
+    load = dataclasses.replace(_load(10.0, rate=5000.0), num_waiting=1)
+    correction = tracker().correction("a", load)
+    assert correction is not None and (correction.requests, correction.waiting) == (3, 2)
+    assert correction.prefill_tokens == pytest.approx(250.0)
+    assert effective_load(load, correction, 10.4, DRAIN)[0] == 1 + 2
+    # behind 3,000 tokens the replica reported queued, every send still waits
+    queued = tracker().correction("a", _load(10.0, rate=5000.0, queued=3000))
+    assert queued is not None and queued.waiting == 3
+    # off (the default), every unseen send counts until the replica's next stats
+    counted = _tracker(drain=True).correction("a", _load(10.0, rate=5000.0))
+    assert counted is not None and counted.waiting is None
+    assert effective_load(load, counted, 10.4, DRAIN)[0] == 1 + 3
+
+
+def test_drain_waiting_needs_the_drained_prefill_queue() -> None:
+    with pytest.raises(ValueError, match="drain_prefill"):
+        InFlightTracker(drain_prefill=False, drain_waiting=True)
+    with pytest.raises(ValueError, match="drain_inflight_prefill"):
+        RouterConfig(drain_inflight_prefill=False, drain_inflight_waiting=True)
+    core: KVRouterCore[str] = KVRouterCore(RouterConfig(drain_inflight_waiting=True))
+    assert core.in_flight.drain_waiting
 
 
 def test_a_drained_replica_is_no_longer_charged_for_what_it_has_prefilled() -> None:

@@ -35,10 +35,13 @@ def _load(rng: random.Random, plain: bool = False) -> ReplicaLoad | None:
 def _correction(rng: random.Random) -> Correction | None:
     if rng.random() < 0.3:
         return None
-    # prefill_as_of: a drained correction (as a draining tracker gives), some in the future
-    return Correction(rng.randrange(3), rng.choice([0, 500, 5000]), rng.choice([0, 800, 9000]),
+    # prefill_as_of: a drained correction (as a draining tracker gives), some in the future;
+    # waiting: how many are still queued (drain_inflight_waiting), None: all
+    requests = rng.randrange(3)
+    return Correction(requests, rng.choice([0, 500, 5000]), rng.choice([0, 800, 9000]),
                       rng.choice([0, 0, 300, 2000, 1234.5]),
-                      rng.choice([None, None, NOW - 0.05, NOW - 0.3, NOW + 0.01]))
+                      rng.choice([None, None, NOW - 0.05, NOW - 0.3, NOW + 0.01]),
+                      rng.choice([None, None, rng.randint(0, requests)]))
 
 
 def _config(rng: random.Random) -> RouterConfig:
