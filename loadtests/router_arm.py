@@ -4,9 +4,11 @@ judges iterserve.
 
     python -m iterserve.loadtests.router_arm loadtests/results/tournament.json \
         loadtests/results/tournament_seeds/seed1.json ... --arm iterserve-waitdrain \
-        [--sync 0.01] [--sizes 8 32] [--jobs 2] [--out FILE.md] [--store FILE.json]
+        [--sync 0.01] [--sizes 8 32] [--kind router|sensitivity] [--jobs 2] [--out FILE.md] \
+        [--store FILE.json]
 
-Every stored iterserve router cell (--sizes; no cost scaling) is rerun at its stored rate,
+Every stored iterserve cell of the kind (router: no cost scaling; sensitivity: the cells
+with every cost coefficient halved or doubled) at --sizes is rerun at its stored rate,
 duration and seed with the router `--arm` (a name in `tournament_cells.ROUTERS`) and, with
 --sync S, router sync: each ingress router hears of the other's sends and completions S
 seconds after them (`ClusterSimConfig.router_sync_delay_s`, Dynamo's router replica sync;
@@ -42,12 +44,11 @@ RUN_KEYS = ("kind", "workload", "replicas", "load", "rate", "duration_s", "seed"
             "cost_scale")
 
 
-def arm_cells(stores: Sequence[dict[str, Any]], sizes: Sequence[int]
+def arm_cells(stores: Sequence[dict[str, Any]], sizes: Sequence[int], kind: str = "router"
               ) -> list[dict[str, Any]]:
-    """The stored iterserve router cells to rerun (unscaled, at the given sizes)."""
+    """The stored iterserve cells of `kind` to rerun, at the given sizes."""
     return [cell for store in stores for cell in store["cells"].values()
-            if cell["kind"] == "router" and cell["router"] == OURS
-            and cell["replicas"] in sizes and cell.get("cost_scale") is None]
+            if cell["kind"] == kind and cell["router"] == OURS and cell["replicas"] in sizes]
 
 
 def run_arm(stored: dict[str, Any], arm: str, sync: float | None) -> dict[str, Any]:
@@ -94,8 +95,9 @@ def ratio_lines(ratios: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-def floor_lines(stores: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str]:
-    verdicts = {k: v for k, v in seed_verdicts(cells_by_seed(stores)).items()
+def floor_lines(stores: Sequence[dict[str, Any]], sizes: Sequence[int], kind: str
+                ) -> list[str]:
+    verdicts = {k: v for k, v in seed_verdicts(cells_by_seed(stores, kind)).items()
                 if k[1] in sizes}
     return report(verdicts)
 
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", type=float, default=None,
                         help="router sync delay (s): routers hear each other's sends")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--kind", choices=("router", "sensitivity"), default="router")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--store", type=Path, help="write the arm's cells here (JSON)")
@@ -114,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sync is not None and args.sync < 0:
         parser.error("--sync must be >= 0")
     stores = [json.loads(p.read_text()) for p in args.stores]
-    stored = arm_cells(stores, args.sizes)
+    stored = arm_cells(stores, args.sizes, args.kind)
     if not stored:
-        parser.error(f"no iterserve router cells at sizes {args.sizes} in these stores")
+        parser.error(f"no iterserve {args.kind} cells at sizes {args.sizes} in these stores")
     print(f"rerunning {len(stored)} cells as {args.arm}"
           + ("" if args.sync is None else f" with router sync {args.sync} s"), flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -124,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                                [args.sync] * len(stored)))
     arm = f"{args.arm}" + ("" if args.sync is None else f", router sync {args.sync} s")
     lines = ratio_lines(ratios_by_workload(stored, reruns))
-    lines += ["", "Stored iterserve:", ""] + floor_lines(stores, args.sizes)
-    lines += ["", f"Arm ({arm}):", ""] + floor_lines(with_arm(stores, reruns), args.sizes)
+    lines += ["", "Stored iterserve:", ""] + floor_lines(stores, args.sizes, args.kind)
+    lines += ["", f"Arm ({arm}):", ""] + floor_lines(with_arm(stores, reruns), args.sizes,
+                                                      args.kind)
     print("\n".join(lines))
     command = "python -m iterserve.loadtests.router_arm " + " ".join(
         sys.argv[1:] if argv is None else argv)

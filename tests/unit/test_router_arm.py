@@ -56,3 +56,18 @@ def test_an_arm_with_router_sync_is_judged_in_iterserves_place(
 def test_no_cells_at_the_sizes_asked_is_an_error(store: Path) -> None:
     with pytest.raises(SystemExit):
         main([str(store), "--arm", "iterserve", "--sizes", "64"])
+
+
+def test_sensitivity_cells_are_rerun_with_their_cost_scale(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scaled = BASE | {"kind": "sensitivity", "cost_scale": {"*": 2.0}, "rate": 20.0}
+    cells = [run_cell(scaled | {"router": router}) for router in ("iterserve", "pow2")]
+    path = tmp_path / "tournament.json"
+    path.write_text(json.dumps({"cells": {cell_key(c): c for c in cells}}))
+    assert main([str(path), "--arm", "iterserve", "--kind", "sensitivity", "--sizes", "4",
+                 "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| all | 1 | 1.000 | 1.000 | 1.000 |" in printed
+    assert '| multi-turn | 4 | 0.9 | {"*": 2.0} |' in printed
+    with pytest.raises(SystemExit):  # no router-kind cells in this store
+        main([str(path), "--arm", "iterserve", "--sizes", "4"])
