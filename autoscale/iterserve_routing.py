@@ -129,8 +129,7 @@ class IterserveRouter:
                        prefill_tokens: int, now: float) -> None:
         """`PeerSyncedPolicy`: a peer router's send counts in this router's load view."""
         _, tokens = self.core.request_key(request.prompt_token_ids, request.max_tokens)
-        self.core.peer_routed(request.request_id, replica_id, sent_at, now, tokens,
-                              prefill_tokens)
+        self.core.peer_routed(request.request_id, replica_id, sent_at, tokens, prefill_tokens)
 
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None:
         self.core.completed(request_id)

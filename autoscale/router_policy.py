@@ -6,8 +6,8 @@ For each candidate replica r, with its last reported load L (possibly stale) and
 number of requests *this router* sent to r that r's stats cannot reflect yet (routed after
 L.timestamp and not yet seen complete):
 
-    eff_waiting = L.num_waiting + c   (with drain_inflight_waiting: + those of the c still
-                  queued for prefill as of the last of them, `queued_prefill`'s fluid queue)
+    eff_waiting = L.num_waiting + c   (with drain_inflight_waiting, only those of the c still
+                  in the drained prefill queue below, as of the last of them, count)
     eff_kv      = min(1, max(L.kv_usage + k, K))
     K           = committed KV: the prompt + max_tokens of every request this router sent r
                   and has not seen complete, over r's KV tokens (use_committed_kv). Unlike

@@ -128,11 +128,13 @@ class KVRouterCore(Generic[R]):
         self.routed_work.add(replica_id, prefill_tokens, now)
         self.affinity.record(key, replica_id)
 
-    def peer_routed(self, request_id: str, replica_id: R, sent_at: float, now: float,
-                    num_tokens: int, prefill_tokens: int) -> None:
-        """Another router's send, heard of at `now`: load as if this router had sent it
-        (in flight from `sent_at`, so a replica's stats taken since count it as seen), but
-        no prefix affinity (which the replicas' own cache reports give)."""
+    def peer_routed(self, request_id: str, replica_id: R, sent_at: float, num_tokens: int,
+                    prefill_tokens: int) -> None:
+        """Another router's send: in flight as if this router had sent it at `sent_at` (so
+        a replica's stats taken since count it as seen), but not in the affinity table
+        (the replicas' own cache reports say where prefixes are) nor in the routed-work
+        meter (each router balances its own sends; counting the peers' too doubles the
+        balance term: multi-turn p99 1.2x in the tournament cells)."""
         self.in_flight.routed(request_id, replica_id, sent_at, prompt_tokens=num_tokens,
                               prefill_tokens=prefill_tokens)
 

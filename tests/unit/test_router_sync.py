@@ -101,7 +101,7 @@ def test_a_heard_send_counts_in_flight_but_moves_no_affinity_or_routed_work() ->
     stats = ReplicaLoad(kv_usage=0.0, num_waiting=0, num_running=0, num_free_blocks=1000,
                         num_total_blocks=1000, step_token_rate=0.0, timestamp=1.0)
     key, tokens = core.request_key(list(range(1, 200)), 50)
-    core.peer_routed("p1", "a", sent_at=1.2, now=1.25, num_tokens=tokens, prefill_tokens=150)
+    core.peer_routed("p1", "a", sent_at=1.2, num_tokens=tokens, prefill_tokens=150)
     correction = core.in_flight.correction("a", stats)
     assert (correction.requests, correction.prompt_tokens, correction.committed_tokens) == (
         1, tokens, tokens)
