@@ -31,7 +31,9 @@ replicas that send none) the affinity table of recent routes stands in.
 Each process that holds a handle (every ingress replica) has its own router instance; the
 routers share nothing but the replicas' routing_stats, which Serve polls every
 request_routing_stats_period_s. Between polls each router corrects the stale stats with
-its own in-flight count (`InFlightTracker`).
+its own in-flight count (`InFlightTracker`). With RouterConfig.router_sync_period_s set they
+also exchange their sends and completions through a named Ray actor (`router_sync`), and
+each counts the others' in flight as its own.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
+from iterserve.autoscale.router_sync import RayHub, RouterSync, hub_name
 from iterserve.autoscale.shuffle import shuffle
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
@@ -125,6 +128,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         # charges the chosen replica only the prompt tokens it does not cache (bounded:
         # a request Serve never routes must not stay here forever).
         self._hits: dict[str, dict[ReplicaID, int]] = {}
+        self._replica_ids: dict[str, ReplicaID] = {}  # unique id -> id, for peers' events
+        self._sync: RouterSync | None = None
+        if self.config.router_sync_period_s is not None:
+            deployment = self._deployment_id
+            self._sync = RouterSync(
+                self._core, lambda: RayHub(hub_name(deployment.app_name, deployment.name)),
+                self.config.router_sync_period_s)
 
     def _ensure_state(self) -> None:
         # Serve calls initialize_state(**request_router_kwargs) right after construction;
@@ -166,6 +176,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         self._ensure_state()
+        if self._sync is not None:
+            self._sync.ensure_running(self._replica_ids.get)
         if not candidate_replicas:
             return []
         # Shuffle first: ties keep candidate order, and independent routers should not all
@@ -197,19 +209,24 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         token_ids, key, num_tokens = self._prompt(pending_request)
         request_id = pending_request.metadata.internal_request_id
         hit = self._hits.pop(request_id, {}).get(replica_id, 0)
-        self._core.routed(request_id, replica_id, time.time(), key, num_tokens,
-                          prefill_tokens=max(0, len(token_ids or ()) - hit))
+        now, prefill = time.time(), max(0, len(token_ids or ()) - hit)
+        self._core.routed(request_id, replica_id, now, key, num_tokens, prefill_tokens=prefill)
+        if self._sync is not None:
+            self._sync.sent(request_id, replica_id.unique_id, now, num_tokens, prefill)
         self._metrics.record_decision(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
         self._core.completed(internal_request_id)
+        if self._sync is not None:
+            self._sync.completed(internal_request_id, replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._ensure_state()
         self._core.keep_only(r.replica_id for r in replicas)
         self._parsed.keep_only(r.replica_id for r in replicas)
+        self._replica_ids = {r.replica_id.unique_id: r.replica_id for r in replicas}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

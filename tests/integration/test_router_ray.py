@@ -139,3 +139,46 @@ def test_a_repeated_prompt_goes_to_the_replica_that_reported_its_prefix(ray_serv
     chosen = [handle.generate.remote(prompt).result() for _ in range(12)]
     assert set(chosen) == {holder}, f"{len(chosen) - chosen.count(holder)} of 12 went elsewhere"
     serve.delete("cache_report_test")
+
+
+@serve.deployment(num_replicas=2, max_ongoing_requests=100, ray_actor_options={"num_cpus": 0})
+class SyncIngress:
+    """An ingress replica: its handle to the replicas is its own router (one per process)."""
+
+    def __init__(self, replicas: object) -> None:
+        self.replicas = replicas
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def __call__(self, prompt_token_ids: list[int]) -> str:
+        await self.replicas.generate.remote(prompt_token_ids)
+        return self.replica_id
+
+
+def test_the_ingress_routers_exchange_their_sends_through_the_sync_hub(ray_serve):
+    from iterserve.autoscale.router_sync import hub_name
+
+    cfg = RouterConfig(routing_stats_period_s=0.2, drain_inflight_waiting=True,
+                       router_sync_period_s=0.05)
+    replicas = CachingReplica.options(name="SyncedReplica", num_replicas=2,
+                                      request_router_config=request_router_config(cfg))
+    handle = serve.run(SyncIngress.bind(replicas.bind()), name="sync_test", route_prefix=None)
+    ingresses: set[str] = set()
+    deadline = time.time() + 60
+    while len(ingresses) < 2 and time.time() < deadline:  # both ingress routers at work
+        ingresses.update(handle.remote(list(range(i, i + 40))).result() for i in range(10))
+    assert len(ingresses) == 2, f"expected two ingress replicas, saw {ingresses}"
+    # every request routed and completed is an event: two per request; the hub actor's
+    # process starts with the first exchange (seconds here), the routers keep their events
+    start, stats = time.time(), {}
+    while time.time() < start + 30:
+        try:
+            hub = ray.get_actor(hub_name("sync_test", "SyncedReplica"), namespace="serve")
+            stats = ray.get(hub.stats.remote())
+        except ValueError:  # not registered yet
+            stats = {}
+        if stats.get("events", 0) >= 2 * 10 and stats["routers"] == 2:
+            break
+        time.sleep(0.2)
+    print(f"sync hub after {time.time() - start:.1f} s: {stats}")
+    assert stats.get("routers") == 2 and stats["events"] >= 2 * 10, stats
+    serve.delete("sync_test")
