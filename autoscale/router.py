@@ -134,7 +134,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             deployment = self._deployment_id
             self._sync = RouterSync(
                 self._core, lambda: RayHub(hub_name(deployment.app_name, deployment.name)),
-                self.config.router_sync_period_s)
+                self.config.router_sync_period_s,
+                on_exchange=self._metrics.record_sync_exchange)
 
     def _ensure_state(self) -> None:
         # Serve calls initialize_state(**request_router_kwargs) right after construction;

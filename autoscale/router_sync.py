@@ -113,7 +113,10 @@ class RouterSync:
     (the outbox), what it heard and has not seen complete, and the exchange itself."""
 
     def __init__(self, core: KVRouterCore[Any], hub_factory: Callable[[], SyncHub],
-                 period_s: float, clock: Callable[[], float] = time.time) -> None:
+                 period_s: float, clock: Callable[[], float] = time.time,
+                 on_exchange: Callable[[str], None] | None = None) -> None:
+        """on_exchange(outcome): told of every exchange the loop makes: "ok", "lost" (some
+        peer events were dropped before this router read them) or "failed"."""
         self.router_id = uuid.uuid4().hex
         self._core = core
         self._hub_factory = hub_factory
@@ -124,6 +127,7 @@ class RouterSync:
         self._cursor: int | None = None
         self._heard: dict[str, float] = {}  # heard send's request id -> when heard
         self._task: asyncio.Task[None] | None = None
+        self._on_exchange = on_exchange
         self.failures = 0
 
     # ------------------------------------------------------------- this router's events
@@ -140,9 +144,10 @@ class RouterSync:
             del self._outbox[0]
 
     # ------------------------------------------------------------------- the exchange
-    async def exchange_once(self, resolve: Callable[[str], Hashable | None]) -> None:
+    async def exchange_once(self, resolve: Callable[[str], Hashable | None]) -> bool:
         """Hand the outbox to the hub and apply the peers' events (resolve: a replica's
-        unique id -> its ReplicaID, None for a replica this router does not know)."""
+        unique id -> its ReplicaID, None for a replica this router does not know). Returns
+        whether some peer events were dropped before this router read them."""
         outbox, self._outbox = self._outbox, []
         try:
             if self._hub is None:
@@ -168,6 +173,7 @@ class RouterSync:
             elif self._heard.pop(event.request_id, None) is not None:
                 self._core.completed(event.request_id)
         self._forget_older_than(now - HEARD_TTL_S)
+        return lost
 
     def forget_heard(self) -> None:
         """Drop every heard send from the router's in-flight view (its own stay)."""
@@ -194,12 +200,13 @@ class RouterSync:
         while True:
             await asyncio.sleep(self.period_s)
             try:
-                await self.exchange_once(resolve)
-            except asyncio.CancelledError:
-                raise
+                outcome = "lost" if await self.exchange_once(resolve) else "ok"
             except Exception:  # the hub is gone or unreachable: routing goes on without it
+                outcome = "failed"
                 self.failures += 1
                 if self.failures == 1 or self.failures % 100 == 0:
                     logger.warning("router sync: exchange failed (%d so far); the heard "
                                    "sends are forgotten and a new hub is asked for",
                                    self.failures, exc_info=True)
+            if self._on_exchange is not None:
+                self._on_exchange(outcome)

@@ -79,6 +79,10 @@ LABEL_MODEL = "model_name"
 LABEL_FINISHED_REASON = "finished_reason"
 # vLLM's FinishReason values, plus "error": a request that failed in the engine.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+LABEL_OUTCOME = "outcome"
+# A router sync exchange: done; done but some peer events were dropped before this router
+# read them; or the hub could not be reached.
+SYNC_OUTCOMES = ("ok", "lost", "failed")
 _ENGINE_LABELS = (LABEL_MODEL, LABEL_REPLICA)
 
 # vLLM's bucket edges (seconds).
@@ -176,6 +180,10 @@ REQUEST_GENERATION_TOKENS = _histogram(
     TOKEN_COUNT_BUCKETS)
 ROUTER_DECISIONS = _counter(
     "router_decisions", "Requests the router sent to each replica.", vllm=False)
+ROUTER_SYNC_EXCHANGES = _counter(
+    "router_sync_exchanges", "Router sync exchanges with the deployment's other routers, by "
+    "outcome: ok, lost (some of their events dropped unread), failed (hub unreachable).",
+    labels=(LABEL_MODEL, LABEL_OUTCOME), vllm=False)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
     labels=(LABEL_MODEL,), mode="mostrecent", vllm=False)
@@ -188,7 +196,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
 )
 ALL_METRICS: tuple[MetricSpec, ...] = (
-    *ENGINE_METRICS, ROUTER_DECISIONS, AUTOSCALER_TARGET_REPLICAS)
+    *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS)
 
 
 def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = DEFAULT_PREFIX) -> str:
@@ -331,11 +339,19 @@ class _ControlPlaneMetrics:
 
 
 class RouterMetrics(_ControlPlaneMetrics):
-    """For the request router: one counter increment per routing decision."""
+    """For the request router: one counter increment per routing decision, and one per
+    router sync exchange where sync is on."""
 
     def record_decision(self, replica_id: str) -> None:
         labels = {LABEL_MODEL: self._model_name, LABEL_REPLICA: str(replica_id)}
         self._sink.counter_inc(ROUTER_DECISIONS, 1.0, labels)
+
+    def record_sync_exchange(self, outcome: str) -> None:
+        """One router sync exchange (RouterConfig.router_sync_period_s): SYNC_OUTCOMES."""
+        if outcome not in SYNC_OUTCOMES:
+            raise ValueError(f"sync outcome must be one of {SYNC_OUTCOMES}, got {outcome!r}")
+        labels = {LABEL_MODEL: self._model_name, LABEL_OUTCOME: outcome}
+        self._sink.counter_inc(ROUTER_SYNC_EXCHANGES, 1.0, labels)
 
 
 class AutoscalerMetrics(_ControlPlaneMetrics):

@@ -104,6 +104,12 @@ def test_router_and_autoscaler_metrics(registry: CollectorRegistry) -> None:
     m.AutoscalerMetrics("tiny", registry=registry).set_target_replicas(3)
     assert _value(registry, m.ROUTER_DECISIONS) == 2.0
     assert _value(registry, m.ROUTER_DECISIONS, replica="r1") == 1.0
+    for outcome in ("ok", "ok", "failed"):
+        router.record_sync_exchange(outcome)
+    assert registry.get_sample_value(m.metric_name(m.ROUTER_SYNC_EXCHANGES),
+                                     {"model_name": "tiny", "outcome": "ok"}) == 2.0
+    with pytest.raises(ValueError, match="sync outcome"):
+        router.record_sync_exchange("maybe")
     assert registry.get_sample_value(m.metric_name(m.AUTOSCALER_TARGET_REPLICAS),
                                      {"model_name": "tiny"}) == 3.0
 
@@ -130,7 +136,9 @@ def _exposition(prefix: str) -> str:
     registry = CollectorRegistry()
     logger = m.PrometheusStatLogger("tiny", "r0", registry=registry, prefix=prefix)
     logger.record(_engine(num_preemptions=1), _iteration(), [_finished()])
-    m.RouterMetrics("tiny", registry=registry, prefix=prefix).record_decision("r0")
+    router = m.RouterMetrics("tiny", registry=registry, prefix=prefix)
+    router.record_decision("r0")
+    router.record_sync_exchange("ok")
     m.AutoscalerMetrics("tiny", registry=registry, prefix=prefix).set_target_replicas(2)
     return m.metrics_text(registry).decode()
 

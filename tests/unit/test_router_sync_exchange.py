@@ -178,3 +178,23 @@ def test_two_kv_aware_routers_share_their_sends_through_the_hub() -> None:
         assert b._core.in_flight.in_flight(replica) == 0
 
     asyncio.run(run())
+
+
+def test_the_loop_reports_every_exchange_and_goes_on_after_a_failure() -> None:
+    hub = LocalHub(SyncLog(capacity=2))
+    outcomes: list[str] = []
+    sync = RouterSync(_core(), lambda: hub, 0.005, on_exchange=outcomes.append)
+
+    async def run() -> None:
+        sync.ensure_running({"x": "X"}.get)
+        await asyncio.sleep(0.03)
+        hub.down = True
+        await asyncio.sleep(0.02)
+        hub.down = False
+        hub.log.exchange("peer", [routed(f"p{i}") for i in range(5)], None)  # > capacity
+        await asyncio.sleep(0.03)
+        sync._task.cancel()
+
+    asyncio.run(run())
+    assert "ok" in outcomes and "failed" in outcomes and sync.failures >= 1
+    assert outcomes[-1] == "ok"  # reconnected to the (same) hub after the failures
