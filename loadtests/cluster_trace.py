@@ -15,15 +15,27 @@ hash_block_size=512 for its traces). CSV with a header: Azure LLM inference trac
 (TIMESTAMP, ContextTokens, GeneratedTokens; TIMESTAMP in seconds or ISO date-time), or our
 names (arrival_time, input_tokens, output_tokens[, session_id]).
 
+A chat's next turn holds the previous turn's prompt and answer. A row continues the
+previous row of its session when its prompt is at least that row's prompt plus answer long
+and its hash_ids start with the hash ids of that row's full blocks: its prompt is
+then built as the previous prompt, the previous answer as the simulated replica generated it,
+and its own new tokens, so that the replica's prefix cache finds the whole conversation as it
+would with a real model (an answer's tokens are named by no hash id in the trace: it is the
+engine that produced them).
+
 `write_trace` exports any workload (a generator's or a trace's) with hash_ids computed
-from its prompts' blocks, so a synthetic workload can be shared as a file.
+from its prompts' blocks, so a synthetic workload can be shared as a file; read back, it
+simulates as the generator's own requests do.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,17 +63,66 @@ def _seconds(value: Any) -> tuple[float, bool]:  # noqa: ANN401
         return datetime.fromisoformat(str(value).strip()).timestamp(), True
 
 
-def _request(i: int, arrival: float, input_tokens: int, output_tokens: int,
-             session: str | None, hash_ids: Sequence[int], block: int) -> SimRequest:
-    named = min(len(hash_ids), input_tokens // block)
+@dataclass(frozen=True)
+class _Row:
+    arrival: float
+    input_tokens: int
+    output_tokens: int
+    session: str | None
+    hash_ids: tuple[int, ...]
+
+    def named_blocks(self, block: int) -> tuple[int, ...]:
+        return self.hash_ids[: self.input_tokens // block]
+
+
+def _continues(row: _Row, previous: _Row, block: int) -> bool:
+    """Whether `row` is the next turn of `previous`'s conversation (same session)."""
+    if row.input_tokens < previous.input_tokens + previous.output_tokens:
+        return False
+    head = previous.named_blocks(block)
+    return row.hash_ids[: len(head)] == head
+
+
+def _turn_parents(rows: Sequence[_Row], block: int) -> list[int | None]:
+    """For each row (in arrival order), the row whose conversation it continues, if any."""
+    last_of_session: dict[str, int] = {}
+    parents: list[int | None] = []
+    for i, row in enumerate(rows):
+        parent = None
+        if row.session is not None:
+            previous = last_of_session.get(row.session)
+            if previous is not None and _continues(row, rows[previous], block):
+                parent = previous
+            last_of_session[row.session] = i
+        parents.append(parent)
+    return parents
+
+
+def _hashed_head(hash_ids: Sequence[int], input_tokens: int, block: int) -> tuple[int, ...]:
     head: tuple[int, ...] = ()
-    for hid in hash_ids[:named]:
+    for hid in hash_ids[: min(len(hash_ids), input_tokens // block)]:
         start = HASH_TOKEN_BASE + int(hid) * block
         head += tuple(range(start, start + block))
-    prompt = SyntheticPrompt(head, unique_start(i), input_tokens - named * block,
-                             private=True)  # no other row's prompt holds request i's own ids
-    return SimRequest(f"trace-{i}", arrival, prompt, max(1, output_tokens), session,
-                      output_token_id=1 + i % 30000)
+    return head
+
+
+def _requests(rows: Sequence[_Row], block: int) -> list[SimRequest]:
+    parents = _turn_parents(rows, block)
+    continued = {p for p in parents if p is not None}
+    out: list[SimRequest] = []
+    for i, (row, parent) in enumerate(zip(rows, parents, strict=True)):
+        if parent is None:
+            head = _hashed_head(row.hash_ids, row.input_tokens, block)
+        else:
+            previous = out[parent]
+            head = (tuple(previous.prompt_token_ids)
+                    + (previous.output_token_id,) * previous.max_tokens)
+        # private: no other row's prompt holds request i's own ids, unless a next turn does
+        prompt = SyntheticPrompt(head, unique_start(i), row.input_tokens - len(head),
+                                 private=i not in continued)
+        out.append(SimRequest(f"trace-{i}", row.arrival, prompt, max(1, row.output_tokens),
+                              row.session, output_token_id=1 + i % 30000))
+    return out
 
 
 def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[SimRequest]:
@@ -85,7 +146,7 @@ def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[Sim
                 block = hash_block_size or int(row.get("hash_block_size", block))
                 continue
             rows.append(row)
-    parsed = []
+    parsed: list[_Row] = []
     absolute = False
     for row in rows:
         if "timestamp" in row and "arrival_time" not in row and "TIMESTAMP" not in row:
@@ -94,16 +155,31 @@ def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[Sim
         else:
             arrival, is_date = _seconds(_field(row, "arrival_time", "TIMESTAMP"))
             absolute = absolute or is_date
-        parsed.append((arrival,
-                       int(_field(row, "input_tokens", "input_length", "ContextTokens")),
-                       int(_field(row, "output_tokens", "output_length", "GeneratedTokens")),
-                       row.get("session_id") or None, row.get("hash_ids") or []))
+        parsed.append(_Row(arrival,
+                           int(_field(row, "input_tokens", "input_length", "ContextTokens")),
+                           int(_field(row, "output_tokens", "output_length",
+                                      "GeneratedTokens")),
+                           row.get("session_id") or None,
+                           tuple(int(h) for h in row.get("hash_ids") or ())))
     if not parsed:
         raise ValueError(f"{path}: no requests")
-    t0 = min(p[0] for p in parsed) if absolute else 0.0
-    parsed.sort(key=lambda p: p[0])
-    return [_request(i, a - t0, n_in, n_out, s, h, block)
-            for i, (a, n_in, n_out, s, h) in enumerate(parsed)]
+    t0 = min(p.arrival for p in parsed) if absolute else 0.0
+    parsed.sort(key=lambda p: p.arrival)
+    return _requests([dataclasses.replace(p, arrival=p.arrival - t0) for p in parsed], block)
+
+
+def speed_up(requests: Sequence[SimRequest], speed: float) -> list[SimRequest]:
+    """The same requests arriving `speed` times faster (arrival times divided by it): a
+    recorded trace replayed at a higher (speed > 1) or lower request rate, every request's
+    prompt and length unchanged."""
+    if not speed > 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    return [dataclasses.replace(r, arrival_time=r.arrival_time / speed) for r in requests]
+
+
+def trace_digest(path: str | Path) -> str:
+    """sha256 of the trace file's bytes: results of an edited trace are not the old ones."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def trace_rows(requests: Sequence[SimRequest], hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE

@@ -1,0 +1,97 @@
+"""Replaying traces: a chat's next turn finds the conversation in the prefix cache, and an
+exported workload simulates as its generator does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from iterserve.autoscale.cluster_sim import simulate
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
+from iterserve.loadtests.cluster_trace import read_trace, speed_up, write_trace
+from iterserve.loadtests.cluster_workloads import make
+from iterserve.loadtests.tournament_cells import ROUTERS
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "example_multi_turn.jsonl"
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_next_turn_holds_the_previous_prompt_and_answer(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_time": 0.0, "input_tokens": 40, "output_tokens": 10, "session_id": "a",
+         "hash_ids": [0, 1]},
+        # a turn of session b between them: sessions do not mix
+        {"arrival_time": 0.5, "input_tokens": 40, "output_tokens": 5, "session_id": "b",
+         "hash_ids": [0, 7]},
+        {"arrival_time": 1.0, "input_tokens": 70, "output_tokens": 8, "session_id": "a",
+         "hash_ids": [0, 1, 2, 3]},
+        # shorter than the previous prompt + answer: a new conversation, not a next turn
+        {"arrival_time": 2.0, "input_tokens": 60, "output_tokens": 4, "session_id": "a",
+         "hash_ids": [0, 1, 2]},
+    ]
+    first, other, second, fresh = read_trace(_write_rows(tmp_path / "t.jsonl", rows))
+    head = list(first.prompt_token_ids) + [first.output_token_id] * first.max_tokens
+    assert list(second.prompt_token_ids[:50]) == head
+    assert len(second.prompt_token_ids) == 70
+    # the next turn's own tokens and the fresh one's blocks follow the hash ids as before
+    assert list(fresh.prompt_token_ids[:32]) == list(first.prompt_token_ids[:32])
+    assert fresh.prompt_token_ids[32:48] != second.prompt_token_ids[32:48]
+    assert list(other.prompt_token_ids[:16]) == list(first.prompt_token_ids[:16])
+    assert other.prompt_token_ids[16:32] != first.prompt_token_ids[16:32]
+    # a prompt a later turn holds is not private (its blocks must be findable)
+    assert not first.prompt_token_ids.private
+    assert second.prompt_token_ids.private and fresh.prompt_token_ids.private
+
+
+def test_hash_ids_that_do_not_extend_the_previous_turn_break_the_chain(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_time": 0.0, "input_tokens": 32, "output_tokens": 4, "session_id": "a",
+         "hash_ids": [0, 1]},
+        {"arrival_time": 1.0, "input_tokens": 64, "output_tokens": 4, "session_id": "a",
+         "hash_ids": [0, 5, 6, 7]},
+    ]
+    first, second = read_trace(_write_rows(tmp_path / "t.jsonl", rows))
+    assert list(second.prompt_token_ids[:16]) == list(first.prompt_token_ids[:16])
+    assert second.prompt_token_ids[16:32] != first.prompt_token_ids[16:32]
+    assert first.prompt_token_ids.private
+
+
+def _figures(requests: list[SimRequest], router: str) -> dict:
+    config = ClusterSimConfig(seed=0)
+    result = simulate(requests, [ROUTERS[router]() for _ in range(2)], 4, config)
+    return {"prefix_hit_rate": result.prefix_hit_rate, "finished": result.num_finished,
+            "preemptions": sum(r.preemptions for r in result.records),
+            "ttfts": sorted(result.ttfts())}
+
+
+@pytest.mark.parametrize("workload", ["multi-turn", "multi-tenant"])
+def test_an_exported_workload_replays_as_its_generator(tmp_path: Path, workload: str) -> None:
+    """The trace keeps what the simulation depends on: which blocks prompts share and
+    which earlier answer a prompt holds. Arrival times are written to the microsecond, so
+    TTFTs agree to about that."""
+    generated = make(workload, 12.0, 20.0, seed=3)
+    path = tmp_path / "w.jsonl"
+    write_trace(generated, path)
+    replayed = read_trace(path)
+    for router in ("iterserve", "pow2"):
+        a, b = _figures(generated, router), _figures(replayed, router)
+        assert a["prefix_hit_rate"] > 0.1
+        assert (a["prefix_hit_rate"], a["finished"], a["preemptions"]) == (
+            b["prefix_hit_rate"], b["finished"], b["preemptions"])
+        assert b["ttfts"] == pytest.approx(a["ttfts"], abs=1e-4)
+
+
+def test_speed_up_divides_arrival_times_only() -> None:
+    requests = read_trace(EXAMPLE)
+    fast = speed_up(requests, 4.0)
+    assert [r.arrival_time * 4.0 for r in fast] == pytest.approx(
+        [r.arrival_time for r in requests])
+    assert [r.prompt_token_ids for r in fast] == [r.prompt_token_ids for r in requests]
+    with pytest.raises(ValueError):
+        speed_up(requests, 0.0)
