@@ -3,6 +3,8 @@
     python -m iterserve.loadtests.tournament [--jobs 2] [--estimate] [--quick] [--seed S]
         [--only routers|big|sensitivity|autoscalers] [--workloads ...] [--sizes ...]
         [--loads ...] [--routers ...] [--out DIR] [--capacity-from STORE]
+    python -m iterserve.loadtests.tournament --trace FILE [--trace-speeds 1 2]
+        [--sizes ...] [--routers ...] [--hash-block-size N] [--jobs 2] [--out DIR]
 
 With no --only, the issue's whole matrix in one command (`--estimate` prints its cells and
 CPU time and stops):
@@ -33,6 +35,14 @@ router; the CI smoke test (tests/unit/test_tournament_quick.py) runs it.
 tournament.md judges); `--seed 1 --capacity-from loadtests/results/tournament.json --out
 DIR` runs seed 1's cells at seed 0's rates, and `tournament_seeds` judges the floors seed by
 seed.
+
+--trace FILE replays a recorded trace (`cluster_trace`: our JSONL, Mooncake's JSONL or
+Azure's CSV) in place of the generated workloads: every router at every --sizes, once per
+--trace-speeds factor (1: as recorded; 2: every arrival time halved, the same requests at
+twice the rate), judged by the same floors. Results go to DIR/tournament_<trace name>.json
+and .md, apart from the generated matrix; a cell is keyed by the file's sha256, so an edited
+trace runs again. A p99 needs the trace to hold a few thousand requests: the report says
+how many each cell had.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from iterserve.loadtests.cluster_trace import read_trace, trace_digest
 from iterserve.loadtests.cluster_workloads import WORKLOADS
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.tournament_cells import (
@@ -71,10 +82,14 @@ AUTOSCALE_SEEDS = (0, 1, 2)
 QUICK_RATE = 12.0
 CELL_KEYS = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
              "seed", "duration_s")
+# keyed only where present, so that the generated workloads' cells keep their stored keys
+TRACE_KEYS = ("trace_sha256", "speed", "hash_block_size")
 
 
 def cell_key(cell: dict[str, Any]) -> str:
-    return json.dumps({k: cell.get(k) for k in CELL_KEYS}, sort_keys=True)
+    key = {k: cell.get(k) for k in CELL_KEYS}
+    key.update({k: cell[k] for k in TRACE_KEYS if k in cell})
+    return json.dumps(key, sort_keys=True)
 
 
 def capacities(workloads: Sequence[str], cost_scale: dict[str, float] | None,
@@ -111,6 +126,27 @@ def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence
                     cells.append({"kind": kind, "workload": workload, "replicas": n,
                                   "load": load, "rate": rate, "duration_s": duration,
                                   "router": router, "seed": seed, "cost_scale": cost_scale})
+    return cells
+
+
+def trace_cells(path: Path, sizes: Sequence[int], speeds: Sequence[float],
+                routers: Sequence[str], seed: int, hash_block_size: int | None = None
+                ) -> list[dict[str, Any]]:
+    """Router cells replaying the trace at `path`, once per size and speed. The trace is
+    read here once, to name its rate and span (and to fail before any cell runs)."""
+    requests = read_trace(path, hash_block_size)
+    span = max(r.arrival_time for r in requests) or 1.0
+    digest = trace_digest(path)
+    cells = []
+    for n in sizes:
+        for speed in speeds:
+            for router in routers:
+                cells.append({"kind": "trace", "workload": f"{path.stem} x{speed:g}",
+                              "trace": str(path), "trace_sha256": digest, "speed": speed,
+                              "hash_block_size": hash_block_size, "replicas": n,
+                              "load": None, "rate": len(requests) * speed / span,
+                              "duration_s": span / speed, "router": router, "seed": seed,
+                              "cost_scale": None})
     return cells
 
 
@@ -182,7 +218,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-from", type=Path, default=None,
                    help="take the capacities this store probed (another seed's cells then "
                    "run at the same rates)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="replay this trace (JSONL or CSV) at every --sizes and --trace-speeds "
+                   "in place of the generated workloads")
+    p.add_argument("--trace-speeds", nargs="*", type=float, default=[1.0],
+                   help="with --trace: arrival-rate factors (2: arrivals twice as fast)")
+    p.add_argument("--hash-block-size", type=int, default=None,
+                   help="with --trace: tokens per hash id (default: the trace's, else 16)")
     return p
+
+
+def _check_trace_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.trace is None:
+        return
+    if args.quick or args.only or args.capacity_from is not None:
+        parser.error("--trace replays one trace: it takes no --quick, --only or "
+                     "--capacity-from")
+    if not args.trace.is_file():
+        parser.error(f"--trace: no such file: {args.trace}")
+    if not args.trace_speeds or any(not k > 0 for k in args.trace_speeds):
+        parser.error("--trace-speeds: give one or more factors > 0")
 
 
 def matrix_cells(args: argparse.Namespace, store: dict[str, Any]) -> list[dict[str, Any]]:
@@ -213,11 +268,14 @@ def matrix_cells(args: argparse.Namespace, store: dict[str, Any]) -> list[dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_trace_args(parser, args)
     from iterserve.loadtests.tournament_report import write_report
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "tournament_quick" if args.quick else "tournament"
+    stem = ("tournament_quick" if args.quick else
+            f"tournament_{args.trace.stem}" if args.trace is not None else "tournament")
     path = args.out / f"{stem}.json"
     store = json.loads(path.read_text()) if path.exists() else {}
     store.setdefault("cells", {})
@@ -230,6 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [{"kind": "router", "workload": "skewed-bursts", "replicas": 8, "load": None,
                   "rate": QUICK_RATE, "duration_s": 60.0, "router": r, "seed": args.seed,
                   "cost_scale": None} for r in args.routers]
+    elif args.trace is not None:
+        try:
+            cells = trace_cells(args.trace, args.sizes, args.trace_speeds, args.routers,
+                                args.seed, args.hash_block_size)
+        except ValueError as error:
+            parser.error(f"--trace: {error}")
     else:
         cells = matrix_cells(args, store)
     if args.estimate:

@@ -34,10 +34,11 @@ from iterserve.autoscale.baselines_routers_cache import (
     SglangRouter,
 )
 from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimResult
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.routing_context import AutoscalingPolicy, RoutingPolicy
+from iterserve.loadtests.cluster_trace import read_trace, speed_up
 from iterserve.loadtests.cluster_workloads import make
 from iterserve.loadtests.tournament_stats import bootstrap_mean_rate, bootstrap_percentile
 from iterserve.replica.sim_runner import CostModel, SimulatorConfig
@@ -171,17 +172,27 @@ def summarise(result: SimResult, seed: int, scale: float = 1.0) -> dict[str, Any
     return out
 
 
+def cell_requests(cell: dict[str, Any]) -> list[SimRequest]:
+    """The cell's workload: its trace file replayed at its speed (a "trace" key, with
+    "speed" and optionally "hash_block_size"), else the named generator at the cell's rate
+    and duration."""
+    if "trace" in cell:
+        return speed_up(read_trace(cell["trace"], cell.get("hash_block_size")), cell["speed"])
+    return make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
+
+
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """cell: workload, replicas, rate (requests/s), duration_s, router, seed, cost_scale;
-    optional autoscaler (name), min/max/fixed replicas, and the routers' information:
-    ingress_routers (default NUM_INGRESS_ROUTERS), routing_stats_period_s and
-    router_sync_delay_s (default the simulator's). Returns cell + its summary."""
+    or, in place of the generated workload, a trace (`cell_requests`); optional autoscaler
+    (name), min/max/fixed replicas, and the routers' information: ingress_routers (default
+    NUM_INGRESS_ROUTERS), routing_stats_period_s and router_sync_delay_s (default the
+    simulator's). Returns cell + its summary."""
     config = sim_config(cell.get("cost_scale"), cell["seed"])
     information = {k: cell[k] for k in ("routing_stats_period_s", "router_sync_delay_s")
                    if k in cell}
     if information:
         config = dataclasses.replace(config, **information)
-    requests = make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
+    requests = cell_requests(cell)
     routers = [ROUTERS[cell["router"]]()
                for _ in range(cell.get("ingress_routers", NUM_INGRESS_ROUTERS))]
     autoscaler = None

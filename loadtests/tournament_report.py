@@ -14,6 +14,7 @@ cheapest baseline that also meets it.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ TOLERANCE = 0.05
 POW2_FACTOR_FLOOR = 2.0
 POW2_FLOOR_WORKLOADS = ("multi-tenant",)
 SLO_ATTAINMENT_FLOOR = 0.99
+FEW_REQUESTS = 1000  # below this a cell's p99 rests on fewer than ten requests
 
 
 def _iv(values: list[float]) -> Interval:
@@ -146,9 +148,15 @@ def _router_section(title: str, groups: dict[tuple, list[dict[str, Any]]]
         first = rows[0]
         slo = (f", SLO TTFT <= {first['slo_ttft_s']:g} s, ITL <= {first['slo_itl_s']:g} s"
                if scale != "null" and "slo_ttft_s" in first else "")
-        lines += [f"### {workload}, {n} replicas, load {load}{_scale_txt(scale)} "
+        load_txt = "" if load is None else f", load {load}"
+        lines += [f"### {workload}, {n} replicas{load_txt}{_scale_txt(scale)} "
                   f"({first['rate']:.1f} req/s, {first['duration_s']:.0f} virtual s, "
                   f"{first['requests']} requests{slo})", ""]
+        if first["requests"] < FEW_REQUESTS:
+            top = max(2, math.ceil(first["requests"] / 100))
+            lines += [f"Only {first['requests']} requests: the p99 is one of the {top} "
+                      "largest TTFTs, so the intervals are wide and a ranking is weak "
+                      "evidence.", ""]
         lines += _cell_table(rows, check["best_p99"])
         lines += ["", _verdict(workload, check), ""]
         found = misses(workload, check)
@@ -306,11 +314,15 @@ def write_report(store: dict[str, Any], out: Path, stem: str) -> None:
             f" {v:.2f}" for k, v in sorted(caps.items())), ""]
     routers = group_cells(cells, "router")
     sens = group_cells(cells, "sensitivity")
-    router_lines, router_misses = _router_section("Routers", routers)
+    router_lines, router_misses = (_router_section("Routers", routers) if routers
+                                   else ([], []))
     sens_lines, sens_misses = (_router_section(
         "Sensitivity: every cost coefficient scaled", sens) if sens else ([], []))
     auto_lines, auto_misses = _autoscaler_section(cells)
-    all_misses = router_misses + sens_misses + auto_misses
+    traces = group_cells(cells, "trace")
+    trace_lines, trace_misses = (_router_section(
+        "Trace replays (arrival times divided by the speed)", traces) if traces else ([], []))
+    all_misses = router_misses + sens_misses + auto_misses + trace_misses
     lines += ["## Floors at a glance", ""] + _matrix(routers)
     lines += [f"Cells where iterserve misses a floor: {len(all_misses)}"
               + (": " + "; ".join(all_misses) if all_misses else ": none"), ""]
@@ -325,6 +337,6 @@ def write_report(store: dict[str, Any], out: Path, stem: str) -> None:
         lines += _sensitivity_ranking(cells)
     if notes:
         lines += [notes, ""]
-    lines += router_lines + sens_lines + auto_lines
+    lines += router_lines + sens_lines + auto_lines + trace_lines
     (out / f"{stem}.md").write_text("\n".join(lines))
     write_plots(cells, out, stem)

@@ -1,5 +1,6 @@
-"""Replaying traces: a chat's next turn finds the conversation in the prefix cache, and an
-exported workload simulates as its generator does."""
+"""Replaying traces: a chat's next turn finds the conversation in the prefix cache, an
+exported workload simulates as its generator does, and `tournament --trace` runs every
+router on a trace."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.loadtests.cluster_trace import read_trace, speed_up, write_trace
 from iterserve.loadtests.cluster_workloads import make
+from iterserve.loadtests.tournament import main as tournament
 from iterserve.loadtests.tournament_cells import ROUTERS
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "example_multi_turn.jsonl"
@@ -95,3 +97,43 @@ def test_speed_up_divides_arrival_times_only() -> None:
     assert [r.prompt_token_ids for r in fast] == [r.prompt_token_ids for r in requests]
     with pytest.raises(ValueError):
         speed_up(requests, 0.0)
+
+
+def test_tournament_replays_a_trace_at_each_size_and_speed(tmp_path: Path) -> None:
+    trace = tmp_path / "chats.jsonl"
+    trace.write_bytes(EXAMPLE.read_bytes())
+    out = tmp_path / "out"
+    args = ["--trace", str(trace), "--sizes", "2", "--trace-speeds", "1", "3", "--routers",
+            "pow2", "iterserve", "--jobs", "1", "--out", str(out)]
+    assert tournament(args) == 0
+    store = json.loads((out / "tournament_chats.json").read_text())
+    cells = list(store["cells"].values())
+    assert sorted((c["speed"], c["router"]) for c in cells) == [
+        (1.0, "iterserve"), (1.0, "pow2"), (3.0, "iterserve"), (3.0, "pow2")]
+    for c in cells:
+        assert c["kind"] == "trace" and c["finished"] == c["requests"] == 129
+    slow, fast = (next(c for c in cells if c["router"] == "pow2" and c["speed"] == k)
+                  for k in (1.0, 3.0))
+    assert fast["rate"] == pytest.approx(3 * slow["rate"])
+    assert fast["duration_s"] == pytest.approx(slow["duration_s"] / 3)
+    report = (out / "tournament_chats.md").read_text()
+    assert "## Trace replays" in report and "### chats x3, 2 replicas (" in report
+    assert "Only 129 requests" in report and "## Routers" not in report
+    # the same trace again: nothing reruns; an edited trace is another workload
+    mtime = (out / "tournament_chats.json").stat().st_mtime_ns
+    assert tournament(args) == 0
+    assert len(json.loads((out / "tournament_chats.json").read_text())["cells"]) == 4
+    trace.write_text("\n".join(EXAMPLE.read_text().splitlines()[:60]) + "\n")
+    assert tournament(args) == 0
+    again = json.loads((out / "tournament_chats.json").read_text())["cells"].values()
+    assert len(again) == 8 and sorted(c["requests"] for c in again)[:4] == [59] * 4
+    assert (out / "tournament_chats.json").stat().st_mtime_ns != mtime
+
+
+def test_tournament_refuses_a_trace_with_the_matrix_options(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        tournament(["--trace", str(EXAMPLE), "--quick", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tournament(["--trace", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tournament(["--trace", str(EXAMPLE), "--trace-speeds", "0", "--out", str(tmp_path)])
