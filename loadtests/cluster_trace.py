@@ -106,8 +106,8 @@ def _hashed_head(hash_ids: Sequence[int], input_tokens: int, block: int) -> tupl
     return head
 
 
-def _requests(rows: Sequence[_Row], block: int) -> list[SimRequest]:
-    parents = _turn_parents(rows, block)
+def _requests(rows: Sequence[_Row], parents: Sequence[int | None], block: int
+              ) -> list[SimRequest]:
     continued = {p for p in parents if p is not None}
     out: list[SimRequest] = []
     for i, (row, parent) in enumerate(zip(rows, parents, strict=True)):
@@ -128,6 +128,13 @@ def _requests(rows: Sequence[_Row], block: int) -> list[SimRequest]:
 def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[SimRequest]:
     """Requests of a JSONL or CSV trace. Arrival times are kept as written, except
     absolute ones (Mooncake's ms timestamps, Azure's date-times): those start at 0."""
+    return read_trace_turns(path, hash_block_size)[0]
+
+
+def read_trace_turns(path: str | Path, hash_block_size: int | None = None
+                     ) -> tuple[list[SimRequest], list[int | None]]:
+    """`read_trace`'s requests and, for each, the index of the request whose prompt and
+    answer it continues (a chat's previous turn), or None."""
     path = Path(path)
     rows: list[dict[str, Any]] = []
     block = hash_block_size or DEFAULT_HASH_BLOCK_SIZE
@@ -165,7 +172,9 @@ def read_trace(path: str | Path, hash_block_size: int | None = None) -> list[Sim
         raise ValueError(f"{path}: no requests")
     t0 = min(p.arrival for p in parsed) if absolute else 0.0
     parsed.sort(key=lambda p: p.arrival)
-    return _requests([dataclasses.replace(p, arrival=p.arrival - t0) for p in parsed], block)
+    rows = [dataclasses.replace(p, arrival=p.arrival - t0) for p in parsed]
+    parents = _turn_parents(rows, block)
+    return _requests(rows, parents, block), parents
 
 
 def speed_up(requests: Sequence[SimRequest], speed: float) -> list[SimRequest]:

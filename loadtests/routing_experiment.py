@@ -2,6 +2,7 @@
 prefix affinity) on 4 simulated replicas, same seeded skewed and bursty workload.
 
     python -m iterserve.loadtests.routing_experiment [--quick] [--seed 0] [--out DIR]
+    python -m iterserve.loadtests.routing_experiment --trace FILE [--trace-speed K] ...
 
 Each arm deploys deploy's `LLMReplica` (engine runner="simulated") x 4 as its own Serve app
 and drives it through a DeploymentHandle from this process, so the router under test is the
@@ -9,6 +10,11 @@ one inside this process's handle (exactly where the ingress's router sits in pro
 no HTTP proxy or ingress spends the 2 CPUs. The workload, engine settings and simulated GPU
 are identical across arms. Writes loadtests/results/routing.md, routing.json and
 routing_kv.png (per-replica KV usage over time), routing_ttft.png.
+
+--trace FILE replays a recorded trace (`cluster_trace` formats) in place of the generated
+workload, its arrival times stretched by --time-scale (the simulated GPU is that much
+slower) and divided by --trace-speed (`ray_trace`); the results record the trace, so that
+`sim_validation` replays the same requests.
 
 The load-driving harness (`drive`, `ReplicaStatsPoller`, `start_ray`) lives in
 `sim_harness`, shared with `autoscale_experiment` and the Ray integration tests.
@@ -348,17 +354,34 @@ def pooled(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str
     return out
 
 
+def trace_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The requests of --trace for this experiment's engine, and what the results record
+    of them (`sim_validation.workload_of` reads it back)."""
+    from iterserve.loadtests.cluster_trace import read_trace_turns, trace_digest
+    from iterserve.loadtests.ray_trace import Vocabulary, trace_specs
+
+    requests, parents = read_trace_turns(args.trace, args.hash_block_size)
+    specs = trace_specs(requests, parents, Vocabulary.of_engine(ENGINE_KWARGS),
+                        args.time_scale, args.trace_speed)
+    return specs, {"trace": str(args.trace), "trace_sha256": trace_digest(args.trace),
+                   "hash_block_size": args.hash_block_size, "speed": args.trace_speed}
+
+
 async def main_async(args: argparse.Namespace) -> int:
-    wl = WorkloadConfig(seed=args.seed, duration_s=args.duration,
-                        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-                        prefix_fraction=args.prefix_fraction)
-    specs = make_workload(wl)
+    if args.trace is not None:
+        specs, workload = trace_workload(args)
+    else:
+        wl = WorkloadConfig(seed=args.seed, duration_s=args.duration,
+                            num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                            prefix_fraction=args.prefix_fraction)
+        specs, workload = make_workload(wl), asdict(wl)
     engine_kwargs = {**ENGINE_KWARGS, "simulator": json.dumps({"time_scale": args.time_scale})}
     arms = [ARMS[int(i)] for i in args.arms.split(",")]
     # Alternate the order (A B C, C B A, ...) so that slow drifts in background load on a
     # shared machine hit every arm alike.
     order = [a for rep in range(args.repeats) for a in (arms if rep % 2 == 0 else arms[::-1])]
-    print(f"{len(specs)} requests over {wl.duration_s:.0f}s; runs: {order}", flush=True)
+    print(f"{len(specs)} requests over {max(s.send_at for s in specs):.0f}s; runs: {order}",
+          flush=True)
     runs = []
     for idx, arm in enumerate(order):
         runs.append(await run_arm(arm, idx, specs, args.num_replicas, engine_kwargs,
@@ -367,7 +390,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "num_replicas": args.num_replicas, "seed": args.seed, "time_scale": args.time_scale,
         "period_s": args.stats_period, "engine_kwargs": engine_kwargs,
-        "workload": asdict(wl), "repeats": args.repeats,
+        "workload": workload, "repeats": args.repeats,
         "per_run": [r["summary"] for r in runs],
         "router_configs": {arm: config.model_dump() for arm in arms
                            if (config := iterserve_router_config(arm, args.stats_period))},
@@ -394,9 +417,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=WorkloadConfig.prefix_fraction)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per arm, in alternating order; latencies pooled")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="replay this trace (JSONL or CSV) in place of the generated "
+                             "workload")
+    parser.add_argument("--trace-speed", type=float, default=1.0,
+                        help="with --trace: arrivals this many times faster than recorded")
+    parser.add_argument("--hash-block-size", type=int, default=None,
+                        help="with --trace: tokens per hash id (default: the trace's, else 16)")
     args = parser.parse_args(argv)
     if args.quick:
         args.duration = 20.0
+    if args.trace is not None and not args.trace.is_file():
+        parser.error(f"--trace: no such file: {args.trace}")
+    if not args.trace_speed > 0:
+        parser.error("--trace-speed must be > 0")
     start_ray()
     try:
         return asyncio.run(main_async(args))

@@ -90,6 +90,12 @@ class RequestRecord:
 REQUEST_TIMEOUT_S = 300.0  # a request still streaming after this counts as failed
 
 
+def request_seed(request_id: str) -> int:
+    """The sampling seed the driver gives a request: its tokens follow from it alone
+    (`sim_runner.sim_output_tokens`), so a replayed chat can hold the answer it got."""
+    return zlib.crc32(request_id.encode())
+
+
 async def _one(handle: Any, spec: RequestSpec, t0: float) -> RequestRecord:  # noqa: ANN401
     delay = t0 + spec.send_at - time.monotonic()
     if delay > 0:
@@ -107,7 +113,7 @@ async def _one(handle: Any, spec: RequestSpec, t0: float) -> RequestRecord:  # n
 async def _stream_into(handle: Any, spec: RequestSpec, rec: RequestRecord) -> None:  # noqa: ANN401
     from iterserve.replica.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=spec.max_tokens, seed=zlib.crc32(spec.request_id.encode()),
+    params = SamplingParams(max_tokens=spec.max_tokens, seed=request_seed(spec.request_id),
                             ignore_eos=True)
     last = None
     try:

@@ -47,6 +47,7 @@ from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.routing_context import RouteRequest, RoutingContext, RoutingPolicy
+from iterserve.loadtests.cluster_trace import read_trace, speed_up, trace_digest
 from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
 from iterserve.loadtests.sim_harness import RESULTS_DIR
 from iterserve.loadtests.sim_validation_report import Row, write_report
@@ -103,6 +104,23 @@ def sim_router(arm: str, period_s: float, recorded: dict[str, Any] | None) -> Ro
 def sim_workload(workload: WorkloadConfig) -> list[SimRequest]:
     return [SimRequest(s.request_id, s.send_at, tuple(s.prompt_token_ids), s.max_tokens)
             for s in make_workload(workload)]
+
+
+def workload_of(meta: dict[str, Any]) -> list[SimRequest]:
+    """The requests a Ray run drove, as the simulator's: its generated workload, or the
+    trace it replayed (the file must be the one it recorded) at its arrival times, which
+    `ray_trace` stretched by the time scale and divided by the speed. A chat's next turn
+    holds the previous answer on both paths: there the runner's seeded tokens, here the
+    simulated replica's (`cluster_trace`), the same blocks shared either way."""
+    workload = meta["workload"]
+    if "trace" not in workload:
+        return sim_workload(WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                              for k, v in workload.items()}))
+    if trace_digest(workload["trace"]) != workload["trace_sha256"]:
+        raise SystemExit(f"{workload['trace']} is not the trace the Ray run replayed "
+                         "(its sha256 differs)")
+    requests = read_trace(workload["trace"], workload.get("hash_block_size"))
+    return speed_up(requests, float(workload["speed"]) / float(meta["time_scale"]))
 
 
 def sim_config(meta: dict[str, Any], seed: int, dispatch_latency_s: float = 0.0,
@@ -247,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = ray["meta"]
     probe = json.loads(args.ray_path_latency.read_text())
     dispatch_s, stream_s = float(probe["dispatch_p50_s"]), float(probe["return_p50_s"])
-    workload = WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in meta["workload"].items()})
-    requests = sim_workload(workload)
+    requests = workload_of(meta)
     rows = []
     for result in ray["results"]:
         arm, label = result["summary"]["arm"], result["label"]

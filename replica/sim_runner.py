@@ -197,6 +197,22 @@ def sim_token(seed: int, position: int, vocab_size: int, banned: frozenset[int])
     return token
 
 
+def seeded_stream(sampling_seed: int, child_index: int = 0) -> int:
+    """The token stream of a request with SamplingParams.seed = sampling_seed (child
+    `child_index` when n > 1)."""
+    return _mix64((sampling_seed & _MASK64) ^ (child_index + 1))
+
+
+def sim_output_tokens(sampling_seed: int, count: int, vocab_size: int,
+                      banned: frozenset[int] = frozenset(), child_index: int = 0) -> list[int]:
+    """The first `count` tokens the simulated runner samples for a request with
+    SamplingParams.seed = sampling_seed (eos_probability 0): what a replayed chat's next
+    turn must hold of this turn's answer for the prefix cache to find it. `banned`: the
+    request's EOS and stop token ids inside the vocabulary."""
+    stream = seeded_stream(sampling_seed, child_index)
+    return [sim_token(stream, p, vocab_size, banned) for p in range(count)]
+
+
 class SimulatedRunner:
     """Runner protocol: num_kv_blocks(), execute(SchedulerOutput), release(request_id)."""
 
@@ -317,7 +333,7 @@ class SimulatedRunner:
         if seed is None:
             params = s.request.sampling_params
             if params.seed is not None:
-                seed = _mix64((params.seed & _MASK64) ^ (s.request.index + 1))
+                seed = seeded_stream(params.seed, s.request.index)
             elif params.is_greedy:
                 prompt = s.request.prompt_token_ids
                 seed = _mix64(zlib.crc32(b"".join(t.to_bytes(4, "little") for t in prompt)))

@@ -1,6 +1,7 @@
-"""Replaying traces: a chat's next turn finds the conversation in the prefix cache, an
-exported workload simulates as its generator does, and `tournament --trace` runs every
-router on a trace."""
+"""Replaying traces: a chat's next turn finds the conversation in the prefix cache (in the
+simulator and on the real engine), an exported workload simulates as its generator does,
+`tournament --trace` runs every router on a trace, and `sim_validation` replays the trace
+a Ray run recorded."""
 
 from __future__ import annotations
 
@@ -11,10 +12,23 @@ import pytest
 
 from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
-from iterserve.loadtests.cluster_trace import read_trace, speed_up, write_trace
+from iterserve.loadtests.cluster_trace import (
+    read_trace,
+    read_trace_turns,
+    speed_up,
+    trace_digest,
+    write_trace,
+)
 from iterserve.loadtests.cluster_workloads import make
+from iterserve.loadtests.ray_trace import FIRST_PROMPT_ID, Vocabulary, trace_specs
+from iterserve.loadtests.routing_experiment import ENGINE_KWARGS
+from iterserve.loadtests.sim_harness import RequestSpec, request_seed
+from iterserve.loadtests.sim_validation import workload_of
 from iterserve.loadtests.tournament import main as tournament
 from iterserve.loadtests.tournament_cells import ROUTERS
+from iterserve.replica.config import EngineConfig
+from iterserve.replica.llm_engine import LLMEngine
+from iterserve.replica.sampling_params import SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "example_multi_turn.jsonl"
 
@@ -137,3 +151,57 @@ def test_tournament_refuses_a_trace_with_the_matrix_options(tmp_path: Path) -> N
         tournament(["--trace", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         tournament(["--trace", str(EXAMPLE), "--trace-speeds", "0", "--out", str(tmp_path)])
+
+
+# ------------------------------------------------------------------ the Ray experiments' replay
+def _chat_trace(tmp_path: Path) -> Path:
+    return _write_rows(tmp_path / "chat.jsonl", [
+        {"arrival_time": 0.0, "input_tokens": 40, "output_tokens": 30, "session_id": "a"},
+        {"arrival_time": 0.4, "input_tokens": 50, "output_tokens": 8},
+        {"arrival_time": 3.0, "input_tokens": 90, "output_tokens": 8, "session_id": "a"},
+    ])
+
+
+def _generate(engine: LLMEngine, spec: RequestSpec) -> tuple[list[int], int]:
+    params = SamplingParams(max_tokens=spec.max_tokens, seed=request_seed(spec.request_id),
+                            ignore_eos=True)
+    engine.add_request(spec.prompt_token_ids, params, spec.request_id)
+    tokens, cached = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
+    return tokens, cached
+
+
+def test_ray_replay_next_turn_holds_the_answer_the_engine_generates(tmp_path: Path) -> None:
+    """On the real engine (simulated runner, the experiment's settings) the next turn's
+    prompt holds the previous prompt and the very answer the engine sampled for it, so the
+    prefix cache finds the whole conversation."""
+    kwargs = {**ENGINE_KWARGS, "simulator": json.dumps({"sleep": False})}
+    requests, parents = read_trace_turns(_chat_trace(tmp_path))
+    assert parents == [None, None, 0]
+    vocabulary = Vocabulary.of_engine(kwargs)
+    specs = trace_specs(requests, parents, vocabulary, time_scale=5.0, speed=2.0)
+    assert [s.send_at for s in specs] == pytest.approx([0.0, 1.0, 7.5])
+    assert all(FIRST_PROMPT_ID <= t < vocabulary.size for s in specs
+               for t in s.prompt_token_ids)
+    engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+    first, _ = _generate(engine, specs[0])
+    assert len(first) == 30
+    held = list(specs[0].prompt_token_ids) + first
+    assert list(specs[2].prompt_token_ids[:70]) == held and len(specs[2].prompt_token_ids) == 90
+    _, cached = _generate(engine, specs[2])
+    assert cached == 64  # every full block of the 69 tokens the first turn computed
+
+
+def test_sim_validation_replays_the_trace_the_ray_run_recorded(tmp_path: Path) -> None:
+    path = _chat_trace(tmp_path)
+    meta = {"time_scale": 5.0, "workload": {"trace": str(path), "hash_block_size": None,
+                                            "trace_sha256": trace_digest(path), "speed": 2.0}}
+    requests = workload_of(meta)
+    assert [r.arrival_time for r in requests] == pytest.approx([0.0, 1.0, 7.5])
+    assert [r.request_id for r in requests] == ["trace-0", "trace-1", "trace-2"]
+    path.write_text(path.read_text().replace('"output_tokens": 8}', '"output_tokens": 9}'))
+    with pytest.raises(SystemExit):
+        workload_of(meta)
