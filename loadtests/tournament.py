@@ -4,7 +4,9 @@
         [--only routers|big|sensitivity|autoscalers] [--workloads ...] [--sizes ...]
         [--loads ...] [--routers ...] [--out DIR] [--capacity-from STORE]
     python -m iterserve.loadtests.tournament --trace FILE [--trace-speeds 1 2]
-        [--sizes ...] [--routers ...] [--hash-block-size N] [--jobs 2] [--out DIR]
+        [--trace-loads 0.5 0.8 0.95]
+        [--sizes ...] [--routers ...] [--hash-block-size N] [--max-model-len N]
+        [--jobs 2] [--out DIR]
 
 With no --only, the issue's whole matrix in one command (`--estimate` prints its cells and
 CPU time and stops):
@@ -39,10 +41,11 @@ seed.
 --trace FILE replays a recorded trace (`cluster_trace`: our JSONL, Mooncake's JSONL or
 Azure's CSV) in place of the generated workloads: every router at every --sizes, once per
 --trace-speeds factor (1: as recorded; 2: every arrival time halved, the same requests at
-twice the rate), judged by the same floors. Results go to DIR/tournament_<trace name>.json
-and .md, apart from the generated matrix; a cell is keyed by the file's sha256, so an edited
-trace runs again. A p99 needs the trace to hold a few thousand requests: the report says
-how many each cell had.
+twice the rate) and once per --trace-loads fraction of the trace's capacity (probed as the
+generated workloads' is, over the trace's first 120 s sped up), judged by the same floors.
+Results go to DIR/tournament_<trace name>.json and .md, apart from the generated matrix; a
+cell is keyed by the file's sha256, so an edited trace runs again. A p99 needs the trace to
+hold a few thousand requests: the report says how many each cell had.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.cluster_sim_types import ClusterSimConfig
 from iterserve.loadtests.cluster_trace import read_trace, trace_digest
 from iterserve.loadtests.cluster_workloads import WORKLOADS
 from iterserve.loadtests.sim_harness import RESULTS_DIR
@@ -64,6 +68,7 @@ from iterserve.loadtests.tournament_cells import (
     AUTOSCALERS,
     ROUTERS,
     probe_capacity,
+    probe_trace_capacity,
     run_cell,
 )
 from iterserve.loadtests.tournament_estimate import print_estimate
@@ -83,7 +88,7 @@ QUICK_RATE = 12.0
 CELL_KEYS = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
              "seed", "duration_s")
 # keyed only where present, so that the generated workloads' cells keep their stored keys
-TRACE_KEYS = ("trace_sha256", "speed", "hash_block_size")
+TRACE_KEYS = ("trace_sha256", "speed", "hash_block_size", "max_model_len")
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -129,24 +134,48 @@ def router_cells(workloads: Sequence[str], sizes: Sequence[int], loads: Sequence
     return cells
 
 
-def trace_cells(path: Path, sizes: Sequence[int], speeds: Sequence[float],
-                routers: Sequence[str], seed: int, hash_block_size: int | None = None
-                ) -> list[dict[str, Any]]:
-    """Router cells replaying the trace at `path`, once per size and speed. The trace is
-    read here once, to name its rate and span (and to fail before any cell runs)."""
+def trace_cells(path: Path, sizes: Sequence[int], routers: Sequence[str], seed: int,
+                speeds: Sequence[float] = (), loads: Sequence[float] = (),
+                capacity: dict[str, float] | None = None, hash_block_size: int | None = None,
+                max_model_len: int | None = None) -> list[dict[str, Any]]:
+    """Router cells replaying the trace at `path` at every size: once per speed (arrival
+    times divided by it) and once per load (the speed that offers that fraction of the
+    trace's capacity, probed once with round-robin and kept in `capacity`). The trace is
+    read here once, to name its rate and span (and to fail before any cell runs: also on a
+    request longer than the replicas' max_model_len, which the simulator would reject)."""
     requests = read_trace(path, hash_block_size)
+    limit = max_model_len or ClusterSimConfig().max_model_len
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    if longest > limit:
+        raise ValueError(f"a request of {longest} tokens (prompt + output) exceeds "
+                         f"max_model_len {limit}: pass --max-model-len")
     span = max(r.arrival_time for r in requests) or 1.0
+    trace_rate = len(requests) / span
     digest = trace_digest(path)
+    runs: list[tuple[str, float | None, float]] = [
+        (f"{path.stem} x{speed:g}", None, speed) for speed in speeds]
+    if loads:
+        key = json.dumps([f"trace {path.stem} ({digest[:12]}, max_model_len "
+                          f"{max_model_len}, hash block {hash_block_size})", None])
+        if capacity is None:
+            capacity = {}
+        if key not in capacity:
+            capacity[key] = probe_trace_capacity(requests, max_model_len)
+            print(f"capacity {path.stem}: {capacity[key]:.3f} req/s per replica", flush=True)
+        per_replica = capacity[key]
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
     cells = []
     for n in sizes:
-        for speed in speeds:
+        sized = runs + [(path.stem, load, load * per_replica * n / trace_rate)
+                        for load in loads]
+        for workload, load, speed in sized:
             for router in routers:
-                cells.append({"kind": "trace", "workload": f"{path.stem} x{speed:g}",
-                              "trace": str(path), "trace_sha256": digest, "speed": speed,
+                cells.append({"kind": "trace", "workload": workload, "trace": str(path),
+                              "trace_sha256": digest, "speed": speed,
                               "hash_block_size": hash_block_size, "replicas": n,
-                              "load": None, "rate": len(requests) * speed / span,
+                              "load": load, "rate": trace_rate * speed,
                               "duration_s": span / speed, "router": router, "seed": seed,
-                              "cost_scale": None})
+                              "cost_scale": None, **extra})
     return cells
 
 
@@ -221,10 +250,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="replay this trace (JSONL or CSV) at every --sizes and --trace-speeds "
                    "in place of the generated workloads")
-    p.add_argument("--trace-speeds", nargs="*", type=float, default=[1.0],
-                   help="with --trace: arrival-rate factors (2: arrivals twice as fast)")
+    p.add_argument("--trace-speeds", nargs="*", type=float, default=None,
+                   help="with --trace: arrival-rate factors (2: arrivals twice as fast); "
+                   "default 1 unless --trace-loads is given")
+    p.add_argument("--trace-loads", nargs="*", type=float, default=[],
+                   help="with --trace: also replay at these fractions of the trace's "
+                   "capacity (probed with round-robin, as for the generated workloads)")
     p.add_argument("--hash-block-size", type=int, default=None,
                    help="with --trace: tokens per hash id (default: the trace's, else 16)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="with --trace: the replicas' context length (default: the "
+                   "simulator's, 8192), for traces with longer requests")
     return p
 
 
@@ -236,8 +272,12 @@ def _check_trace_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
                      "--capacity-from")
     if not args.trace.is_file():
         parser.error(f"--trace: no such file: {args.trace}")
-    if not args.trace_speeds or any(not k > 0 for k in args.trace_speeds):
-        parser.error("--trace-speeds: give one or more factors > 0")
+    if args.trace_speeds is None:
+        args.trace_speeds = [] if args.trace_loads else [1.0]
+    if any(not k > 0 for k in args.trace_speeds + args.trace_loads):
+        parser.error("--trace-speeds and --trace-loads take factors > 0")
+    if not args.trace_speeds and not args.trace_loads:
+        parser.error("--trace: give --trace-speeds or --trace-loads")
 
 
 def matrix_cells(args: argparse.Namespace, store: dict[str, Any]) -> list[dict[str, Any]]:
@@ -290,8 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "cost_scale": None} for r in args.routers]
     elif args.trace is not None:
         try:
-            cells = trace_cells(args.trace, args.sizes, args.trace_speeds, args.routers,
-                                args.seed, args.hash_block_size)
+            cells = trace_cells(args.trace, args.sizes, args.routers, args.seed,
+                                args.trace_speeds, args.trace_loads, store["capacity"],
+                                args.hash_block_size, args.max_model_len)
         except ValueError as error:
             parser.error(f"--trace: {error}")
     else:

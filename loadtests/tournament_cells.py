@@ -97,6 +97,19 @@ def sim_config(cost_scale: dict[str, float] | None = None, seed: int = 0) -> Clu
     return ClusterSimConfig(sim=SimulatorConfig(cost=cost), seed=seed)
 
 
+def _sustained(requests: list[SimRequest], config: ClusterSimConfig, duration_s: float
+               ) -> tuple[float, float]:
+    """(completions, arrivals) per second, round-robin on CAPACITY_PROBE_REPLICAS replicas,
+    counted between 1/3 of the run and its end (past the warm-up)."""
+    result = simulate(requests, [RoundRobinRouter() for _ in range(NUM_INGRESS_ROUTERS)],
+                      CAPACITY_PROBE_REPLICAS,
+                      dataclasses.replace(config, max_virtual_s=duration_s))
+    lo = duration_s / 3
+    done = sum(1 for r in result.records if r.finish is not None and r.finish >= lo)
+    arrivals = sum(1 for r in requests if r.arrival_time >= lo)
+    return done / (duration_s - lo), arrivals / (duration_s - lo)
+
+
 def probe_capacity(workload: str, cost_scale: dict[str, float] | None = None,
                    duration_s: float = 30.0, start_rate: float = 16.0) -> float:
     """Requests per second per replica the cluster sustains with round-robin routing.
@@ -109,14 +122,30 @@ def probe_capacity(workload: str, cost_scale: dict[str, float] | None = None,
     config = sim_config(cost_scale)
     rate = start_rate
     while True:
-        requests = make(workload, rate, duration_s, seed=1)
-        result = simulate(requests, [RoundRobinRouter() for _ in range(NUM_INGRESS_ROUTERS)],
-                          CAPACITY_PROBE_REPLICAS, dataclasses.replace(
-                              config, max_virtual_s=duration_s))
-        lo = duration_s / 3
-        done = sum(1 for r in result.records if r.finish is not None and r.finish >= lo)
-        completion_rate = done / (duration_s - lo)
-        arrivals = sum(1 for r in requests if r.arrival_time >= lo) / (duration_s - lo)
+        completion_rate, arrivals = _sustained(make(workload, rate, duration_s, seed=1),
+                                               config, duration_s)
+        if completion_rate < 0.85 * arrivals:
+            return completion_rate / CAPACITY_PROBE_REPLICAS
+        rate *= 2
+
+
+def probe_trace_capacity(requests: list[SimRequest], max_model_len: int | None = None,
+                         duration_s: float = 120.0, start_rate: float = 8.0) -> float:
+    """`probe_capacity` for a trace: its first `duration_s` seconds, sped up to rising
+    rates. Longer than the generators' probe, since a trace's long prompts take seconds
+    each; the trace must last that long at the rate that saturates the probe."""
+    config = sim_config()
+    if max_model_len is not None:
+        config = dataclasses.replace(config, max_model_len=max_model_len)
+    span = max(r.arrival_time for r in requests) or 1.0
+    rate = start_rate
+    while True:
+        speed = rate / (len(requests) / span)
+        if span / speed < duration_s:
+            raise ValueError(f"the trace lasts {span / speed:.0f} s at {rate:g} req/s: too "
+                             f"short to probe the capacity over {duration_s:.0f} s")
+        head = [r for r in speed_up(requests, speed) if r.arrival_time < duration_s]
+        completion_rate, arrivals = _sustained(head, config, duration_s)
         if completion_rate < 0.85 * arrivals:
             return completion_rate / CAPACITY_PROBE_REPLICAS
         rate *= 2
@@ -184,12 +213,12 @@ def cell_requests(cell: dict[str, Any]) -> list[SimRequest]:
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """cell: workload, replicas, rate (requests/s), duration_s, router, seed, cost_scale;
     or, in place of the generated workload, a trace (`cell_requests`); optional autoscaler
-    (name), min/max/fixed replicas, and the routers' information: ingress_routers (default
-    NUM_INGRESS_ROUTERS), routing_stats_period_s and router_sync_delay_s (default the
-    simulator's). Returns cell + its summary."""
+    (name), min/max/fixed replicas, the routers' information: ingress_routers (default
+    NUM_INGRESS_ROUTERS), routing_stats_period_s and router_sync_delay_s, and the replicas'
+    max_model_len (default the simulator's). Returns cell + its summary."""
     config = sim_config(cell.get("cost_scale"), cell["seed"])
-    information = {k: cell[k] for k in ("routing_stats_period_s", "router_sync_delay_s")
-                   if k in cell}
+    information = {k: cell[k] for k in ("routing_stats_period_s", "router_sync_delay_s",
+                                        "max_model_len") if k in cell}
     if information:
         config = dataclasses.replace(config, **information)
     requests = cell_requests(cell)

@@ -323,7 +323,7 @@ def write_report(store: dict[str, Any], out: Path, stem: str) -> None:
     trace_lines, trace_misses = (_router_section(
         "Trace replays (arrival times divided by the speed)", traces) if traces else ([], []))
     all_misses = router_misses + sens_misses + auto_misses + trace_misses
-    lines += ["## Floors at a glance", ""] + _matrix(routers)
+    lines += ["## Floors at a glance", ""] + _matrix(routers) + _matrix(traces)
     lines += [f"Cells where iterserve misses a floor: {len(all_misses)}"
               + (": " + "; ".join(all_misses) if all_misses else ": none"), ""]
     if sens:

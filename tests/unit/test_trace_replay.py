@@ -12,6 +12,7 @@ import pytest
 
 from iterserve.autoscale.cluster_sim import simulate
 from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
+from iterserve.loadtests import tournament as tournament_module
 from iterserve.loadtests.cluster_trace import (
     read_trace,
     read_trace_turns,
@@ -25,7 +26,8 @@ from iterserve.loadtests.routing_experiment import ENGINE_KWARGS
 from iterserve.loadtests.sim_harness import RequestSpec, request_seed
 from iterserve.loadtests.sim_validation import workload_of
 from iterserve.loadtests.tournament import main as tournament
-from iterserve.loadtests.tournament_cells import ROUTERS
+from iterserve.loadtests.tournament import trace_cells
+from iterserve.loadtests.tournament_cells import ROUTERS, probe_capacity, probe_trace_capacity
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.sampling_params import SamplingParams
@@ -205,3 +207,39 @@ def test_sim_validation_replays_the_trace_the_ray_run_recorded(tmp_path: Path) -
     path.write_text(path.read_text().replace('"output_tokens": 8}', '"output_tokens": 9}'))
     with pytest.raises(SystemExit):
         workload_of(meta)
+
+
+def test_trace_loads_offer_that_fraction_of_the_probed_capacity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    probed: list[int] = []
+
+    def probe(requests: list[SimRequest], max_model_len: int | None = None) -> float:
+        probed.append(len(requests))
+        return 3.0
+
+    monkeypatch.setattr(tournament_module, "probe_trace_capacity", probe)
+    capacity: dict[str, float] = {}
+    requests = read_trace(EXAMPLE)
+    trace_rate = len(requests) / max(r.arrival_time for r in requests)
+    cells = trace_cells(EXAMPLE, [2, 4], ["pow2"], 0, speeds=[1.0], loads=[0.5, 0.8],
+                        capacity=capacity)
+    assert probed == [len(requests)] and list(capacity.values()) == [3.0]
+    by = {(c["replicas"], c["load"]): c for c in cells}
+    assert by[(2, None)]["speed"] == 1.0 and by[(2, None)]["workload"] == "example_multi_turn x1"
+    for n, load in ((2, 0.5), (4, 0.5), (4, 0.8)):
+        assert by[(n, load)]["rate"] == pytest.approx(load * 3.0 * n)
+        assert by[(n, load)]["speed"] == pytest.approx(load * 3.0 * n / trace_rate)
+        assert by[(n, load)]["workload"] == "example_multi_turn"
+    trace_cells(EXAMPLE, [8], ["pow2"], 0, loads=[0.5], capacity=capacity)
+    assert len(probed) == 1  # the store's capacity is reused
+    with pytest.raises(ValueError, match="max_model_len"):
+        trace_cells(EXAMPLE, [2], ["pow2"], 0, speeds=[1.0], max_model_len=512)
+
+
+def test_trace_probe_agrees_with_the_generator_probe(tmp_path: Path) -> None:
+    """The same procedure on a recorded run of a generator finds the generator's capacity
+    (another draw of it, sped up rather than regenerated: within 10 %)."""
+    path = tmp_path / "steady.jsonl"
+    write_trace(make("steady", 30.0, 400.0, seed=5), path)
+    traced = probe_trace_capacity(read_trace(path), duration_s=30.0, start_rate=16.0)
+    assert traced == pytest.approx(probe_capacity("steady"), rel=0.10)
