@@ -55,6 +55,11 @@ def _field(row: dict[str, Any], *names: str) -> Any:  # noqa: ANN401
     raise ValueError(f"trace row lacks {' / '.join(names)}: {row}")
 
 
+def _session(value: Any) -> str | None:  # noqa: ANN401
+    """A row's session id as text (0 is a session; an empty cell is none)."""
+    return None if value is None or value == "" else str(value)
+
+
 def _seconds(value: Any) -> tuple[float, bool]:  # noqa: ANN401
     """(seconds, whether it was a date-time: an absolute time to shift to the start)."""
     try:
@@ -77,7 +82,8 @@ class _Row:
 
 def _continues(row: _Row, previous: _Row, block: int) -> bool:
     """Whether `row` is the next turn of `previous`'s conversation (same session)."""
-    if row.input_tokens < previous.input_tokens + previous.output_tokens:
+    # the previous answer as replayed: at least one token (SimRequest's max_tokens)
+    if row.input_tokens < previous.input_tokens + max(1, previous.output_tokens):
         return False
     head = previous.named_blocks(block)
     return row.hash_ids[: len(head)] == head
@@ -99,11 +105,11 @@ def _turn_parents(rows: Sequence[_Row], block: int) -> list[int | None]:
 
 
 def _hashed_head(hash_ids: Sequence[int], input_tokens: int, block: int) -> tuple[int, ...]:
-    head: tuple[int, ...] = ()
+    head: list[int] = []
     for hid in hash_ids[: min(len(hash_ids), input_tokens // block)]:
         start = HASH_TOKEN_BASE + int(hid) * block
-        head += tuple(range(start, start + block))
-    return head
+        head.extend(range(start, start + block))
+    return tuple(head)
 
 
 def _requests(rows: Sequence[_Row], parents: Sequence[int | None], block: int
@@ -166,7 +172,7 @@ def read_trace_turns(path: str | Path, hash_block_size: int | None = None
                            int(_field(row, "input_tokens", "input_length", "ContextTokens")),
                            int(_field(row, "output_tokens", "output_length",
                                       "GeneratedTokens")),
-                           row.get("session_id") or None,
+                           _session(row.get("session_id")),
                            tuple(int(h) for h in row.get("hash_ids") or ())))
     if not parsed:
         raise ValueError(f"{path}: no requests")

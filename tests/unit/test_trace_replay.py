@@ -243,3 +243,15 @@ def test_trace_probe_agrees_with_the_generator_probe(tmp_path: Path) -> None:
     write_trace(make("steady", 30.0, 400.0, seed=5), path)
     traced = probe_trace_capacity(read_trace(path), duration_s=30.0, start_rate=16.0)
     assert traced == pytest.approx(probe_capacity("steady"), rel=0.10)
+
+
+def test_session_ids_as_numbers_and_answers_of_no_tokens(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_time": 0.0, "input_tokens": 32, "output_tokens": 0, "session_id": 0},
+        # as long as the previous prompt: its one replayed answer token does not fit
+        {"arrival_time": 1.0, "input_tokens": 32, "output_tokens": 4, "session_id": 0},
+        {"arrival_time": 2.0, "input_tokens": 40, "output_tokens": 4, "session_id": 0},
+    ]
+    requests, parents = read_trace_turns(_write_rows(tmp_path / "t.jsonl", rows))
+    assert parents == [None, None, 1] and requests[0].session_id == "0"
+    assert requests[0].max_tokens == 1 and len(requests[1].prompt_token_ids) == 32
