@@ -130,10 +130,12 @@ def probe_capacity(workload: str, cost_scale: dict[str, float] | None = None,
 
 
 def probe_trace_capacity(requests: list[SimRequest], max_model_len: int | None = None,
-                         duration_s: float = 120.0, start_rate: float = 8.0) -> float:
-    """`probe_capacity` for a trace: its first `duration_s` seconds, sped up to rising
-    rates. Longer than the generators' probe, since a trace's long prompts take seconds
-    each; the trace must last that long at the rate that saturates the probe."""
+                         duration_s: float = 120.0, start_rate: float = 8.0,
+                         min_duration_s: float = 30.0) -> float:
+    """`probe_capacity` for a trace: its first `duration_s` seconds (fewer where the sped-up
+    trace ends sooner, down to `min_duration_s`, the generators' probe window), sped up to
+    rising rates. Longer than the generators' probe where it can be, since a trace's long
+    prompts take seconds each."""
     config = sim_config()
     if max_model_len is not None:
         config = dataclasses.replace(config, max_model_len=max_model_len)
@@ -141,11 +143,12 @@ def probe_trace_capacity(requests: list[SimRequest], max_model_len: int | None =
     rate = start_rate
     while True:
         speed = rate / (len(requests) / span)
-        if span / speed < duration_s:
+        window = min(duration_s, span / speed)
+        if window < min_duration_s:
             raise ValueError(f"the trace lasts {span / speed:.0f} s at {rate:g} req/s: too "
-                             f"short to probe the capacity over {duration_s:.0f} s")
-        head = [r for r in speed_up(requests, speed) if r.arrival_time < duration_s]
-        completion_rate, arrivals = _sustained(head, config, duration_s)
+                             f"short to probe the capacity over {min_duration_s:.0f} s")
+        head = [r for r in speed_up(requests, speed) if r.arrival_time < window]
+        completion_rate, arrivals = _sustained(head, config, window)
         if completion_rate < 0.85 * arrivals:
             return completion_rate / CAPACITY_PROBE_REPLICAS
         rate *= 2

@@ -243,6 +243,9 @@ def test_trace_probe_agrees_with_the_generator_probe(tmp_path: Path) -> None:
     write_trace(make("steady", 30.0, 400.0, seed=5), path)
     traced = probe_trace_capacity(read_trace(path), duration_s=30.0, start_rate=16.0)
     assert traced == pytest.approx(probe_capacity("steady"), rel=0.10)
+    # the 40 s example, sped up to the first probe rate, is over in 16 s
+    with pytest.raises(ValueError, match="too short"):
+        probe_trace_capacity(read_trace(EXAMPLE))
 
 
 def test_session_ids_as_numbers_and_answers_of_no_tokens(tmp_path: Path) -> None:
