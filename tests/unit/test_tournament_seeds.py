@@ -86,3 +86,21 @@ def test_another_seed_runs_at_the_capacities_a_store_probed(tmp_path: Path) -> N
     # No probe ran (one would find ~8 req/s per replica), so the cells run at 5.0 per replica.
     assert json.loads((out / "tournament.json").read_text())["capacity"] == {
         '["diurnal", null]': 5.0}
+
+
+def test_trace_cells_are_judged_seed_by_seed(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    def traced(router: str, p99: float, seed: int) -> dict:
+        return {**cell("chats", 0.8, router, p99, seed), "kind": "trace",
+                "trace_sha256": "ab", "speed": 3.0}
+
+    paths = []
+    for seed, ours in ((0, 1.0), (1, 1.2)):
+        path = tmp_path / f"s{seed}.json"
+        path.write_text(json.dumps(store(traced("iterserve", ours, seed),
+                                         traced("dynamo", 1.1, seed))))
+        paths.append(str(path))
+    assert main([*paths, "--kind", "trace"]) == 0
+    out = capsys.readouterr().out
+    assert "| chats | 8 | 0.8 | - | 1.000 (iterserve): ok | 1.091 (dynamo): MISS p99 (tie)" in out
+    assert "Missed on some seeds only: 1 (chats/8/0.8 (seed 1))" in out
