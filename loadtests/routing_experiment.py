@@ -238,13 +238,17 @@ def write_report(results: list[dict[str, Any]], out: Path, meta: dict[str, Any])
     out.mkdir(parents=True, exist_ok=True)
     rows = [r["summary"] for r in results]
     base = rows[0]
+    workload = meta["workload"]
+    source = (f"seed {meta['seed']}" if "trace" not in workload else
+              f"replayed from `{workload['trace']}` (sha256 {workload['trace_sha256'][:12]}..., "
+              f"speed {workload['speed']:g}; `--trace`)")
     lines = [
         "# Routing experiment: pow2 vs KVAwareRouter",
         "",
         f"`python -m iterserve.loadtests.routing_experiment` ({meta['when']}). "
         f"{meta['num_replicas']} simulated replicas (deploy `LLMReplica`, runner=simulated, "
-        f"time_scale={meta['time_scale']}), {rows[0]['requests']} requests, seed "
-        f"{meta['seed']}, routing stats every {meta['period_s']} s. Engine: "
+        f"time_scale={meta['time_scale']}), {rows[0]['requests']} requests, {source}, "
+        f"routing stats every {meta['period_s']} s. Engine: "
         f"`{json.dumps(meta['engine_kwargs'])}`.",
         "",
         "| router | throughput (tok/s) | TTFT p50 (s) | TTFT p99 pooled (s) | vs pow2 "
