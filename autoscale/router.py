@@ -22,7 +22,7 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
 Missing: only the prompt counts. Nothing else in the request is read.
 
 Which replica holds the prompt's prefix: the replicas' routing stats carry the stable hashes
-of the blocks their prefix caches can hit (deploy/replica.py, replica/block_hashes.py); the
+of the blocks their prefix caches can hit (deploy/llm_replica.py, replica/block_hashes.py); the
 router hashes the prompt's blocks the same way and passes each reporting replica's cached
 prefix as `cached_tokens` (autoscale/replica_cache_reports.py), as the simulator's
 `IterserveRouter` does. Without reports (RouterConfig.use_replica_cache_reports off, or

@@ -3,7 +3,7 @@
 `KVRouterCore` owns one router's prefix-affinity table, in-flight tracker and routed-work
 meter, and ranks with them: `rank_replicas`'s decision, computed by its `ScoreTable`
 (per-replica terms kept between requests; `router_table`). `autoscale/router.py` (Ray
-Serve's `RequestRouter`) and `autoscale/iterserve_routing.py` (the `RoutingPolicy` the
+Serve's `RequestRouter`) and `autoscale/sim/iterserve_router.py` (the `RoutingPolicy` the
 cluster simulator and the tournament run) both delegate to it, so both run the same code on
 the same state.
 """

@@ -13,10 +13,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from iterserve.autoscale.policy import serve_autoscaling_config
+from iterserve.autoscale.autoscaling_policy import serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config_dict
 from iterserve.deploy.ingress import OpenAIIngress
-from iterserve.deploy.replica import SHUTDOWN_SLACK_S, LLMReplica
+from iterserve.deploy.llm_replica import SHUTDOWN_SLACK_S, LLMReplica
 from iterserve.deploy.settings import AppArgs, AppSettings, coerce_engine_kwargs, resolve_app
 from iterserve.deploy.tool_calls import ToolSettings
 

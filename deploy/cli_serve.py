@@ -127,7 +127,7 @@ def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> st
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if autoscale is not None:
-        from iterserve.autoscale.policy import autoscaling_env_vars
+        from iterserve.autoscale.autoscaling_policy import autoscaling_env_vars
 
         # Serve reads its metric push intervals from the environment at start.
         os.environ.update(autoscaling_env_vars(autoscale))

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.dashboards.metrics import DEFAULT_PREFIX, MetricPrefix
-from iterserve.deploy.replica import (
+from iterserve.deploy.llm_replica import (
     drain_timeout_for,
     replica_actor_options,
     replica_engine_kwargs,

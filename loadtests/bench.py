@@ -34,16 +34,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from iterserve.autoscale.sim.workload import OutputLengths, WorkloadRequest, make_workload
 from iterserve.loadtests import bench_report
 from iterserve.loadtests.bench_client import MetricsSampler, NvmlSampler, run_level
 from iterserve.loadtests.bench_stats import compare, parse_slo, summarise_level
 from iterserve.loadtests.servers import serve_mode, wait_until_ready
-from iterserve.loadtests.workload import (
-    OutputLengths,
-    WorkloadRequest,
-    add_workload_arguments,
-    make_workload,
-)
+from iterserve.loadtests.workload import add_workload_arguments
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128)
 QUICK_CONCURRENCY = (1, 4, 16)
@@ -87,7 +83,7 @@ async def run_interleaved(deployments: list[Deployment], workload: list[Workload
                           args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each concurrency level runs on every mode back to back, alternating which goes first,
     so slow drifts in background load (a shared machine) hit both modes alike."""
-    warmup = [WorkloadRequest(-1 - i, r.prompt_token_ids[:16], 8, "warmup")
+    warmup = [WorkloadRequest(f"warmup-{i}", 0.0, r.prompt_token_ids[:16], 8, kind="warmup")
               for i, r in enumerate(workload[:2])]
     for deployment in deployments:
         await run_level(deployment.url, deployment.model, warmup, 2, args.api_key)

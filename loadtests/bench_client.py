@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.dashboards import metrics as m
-from iterserve.loadtests.streaming import StreamTiming
-from iterserve.loadtests.workload import WorkloadRequest
+from iterserve.loadtests.streaming import StreamTiming, completion_body
 
 REQUEST_TIMEOUT_S = 900.0
 
@@ -54,14 +54,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
+async def _one_request(session: aiohttp.ClientSession, url: str, model: str, index: int,
                        request: WorkloadRequest) -> RequestResult:
     start = time.perf_counter()
     timing = StreamTiming(start=start)
-    result = RequestResult(request.index, request.prompt_len, request.max_tokens, timing)
+    result = RequestResult(index, len(request.prompt_token_ids), request.max_tokens, timing)
     try:
         async with session.post(f"{url}/v1/completions",
-                                json=request.completion_body(model)) as response:
+                                json=completion_body(request, model)) as response:
             result.status = response.status
             if response.status != 200:
                 timing.error = f"HTTP {response.status}: {(await response.text())[:200]}"
@@ -77,9 +77,9 @@ async def run_level(url: str, model: str, requests: Sequence[WorkloadRequest], c
                     api_key: str | None = None,
                     on_done: Callable[[RequestResult], None] | None = None) -> LevelRun:
     """Send `requests` with `concurrency` in flight (closed loop); return every result."""
-    queue: asyncio.Queue[WorkloadRequest] = asyncio.Queue()
-    for request in requests:
-        queue.put_nowait(request)
+    queue: asyncio.Queue[tuple[int, WorkloadRequest]] = asyncio.Queue()
+    for index, request in enumerate(requests):
+        queue.put_nowait((index, request))
     results: list[RequestResult] = []
     last_dispatch_at = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -88,10 +88,10 @@ async def run_level(url: str, model: str, requests: Sequence[WorkloadRequest], c
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal last_dispatch_at
         while not queue.empty():
-            request = queue.get_nowait()
+            index, request = queue.get_nowait()
             if queue.empty():
                 last_dispatch_at = time.perf_counter()
-            result = await _one_request(session, url, model, request)
+            result = await _one_request(session, url, model, index, request)
             results.append(result)
             if on_done is not None:
                 on_done(result)

@@ -1,6 +1,6 @@
 """The benchmark's outputs: a markdown report and PNG plots, from the results JSON alone.
 
-    python -m iterserve.loadtests.bench_report loadtests/results/bench.json \
+    python -m iterserve.loadtests.bench_report loadtests/studies/static_vs_continuous/results/bench.json \
         --markdown BENCHMARKS_SERVING.md --plots loadtests/results
 
 so a report can be regenerated (or restyled) without rerunning the benchmark.

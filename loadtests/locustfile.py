@@ -45,13 +45,14 @@ from typing import Any
 from locust import HttpUser, LoadTestShape, events, task
 from locust.env import Environment
 
-from iterserve.loadtests.streaming import StreamTiming
-from iterserve.loadtests.workload import (
+from iterserve.autoscale.sim.arrivals import poisson_gaps
+from iterserve.autoscale.sim.workload import (
     WorkloadRequest,
     make_workload,
     parse_buckets,
     parse_output_lengths,
 )
+from iterserve.loadtests.streaming import StreamTiming, completion_body
 
 SHAPES = ("constant", "step", "spike", "poisson")
 COMPLETIONS_PATH = "/v1/completions"
@@ -101,15 +102,14 @@ class PoissonPacer:
     """Global Poisson send times; each user waits for the next free slot."""
 
     def __init__(self, rate: float, seed: int) -> None:
-        self._rng = random.Random(seed)
-        self._rate = rate
+        self._gaps = poisson_gaps(random.Random(seed), rate)
         self._next = time.monotonic()
         self._warned_at = 0.0
 
     def delay(self) -> float:
         now = time.monotonic()
         slot = self._next
-        self._next = max(self._next, now - 1.0) + self._rng.expovariate(self._rate)
+        self._next = max(self._next, now - 1.0) + next(self._gaps)
         if slot < now - 1.0 and now - self._warned_at > 10:
             self._warned_at = now
             logger.warning("poisson pacer is behind: raise --poisson-max-users")
@@ -171,10 +171,11 @@ class StreamingCompletionsUser(HttpUser):
     def stream_completion(self) -> None:
         if not _Shared.workload:  # started without test_start (e.g. a library run)
             return
-        request = _Shared.workload[next(_Shared.cursor) % len(_Shared.workload)]
+        index = next(_Shared.cursor) % len(_Shared.workload)
+        request = _Shared.workload[index]
         start = time.perf_counter()
         timing = StreamTiming(start=start)
-        with self.client.post(COMPLETIONS_PATH, json=request.completion_body(_Shared.model),
+        with self.client.post(COMPLETIONS_PATH, json=completion_body(request, _Shared.model),
                               stream=True, catch_response=True,
                               name=f"POST {COMPLETIONS_PATH} [headers]") as response:
             if response.status_code != 200:
@@ -188,9 +189,9 @@ class StreamingCompletionsUser(HttpUser):
             if timing.output_tokens != request.max_tokens:
                 response.failure(f"asked {request.max_tokens} tokens, got {timing.output_tokens}")
                 return
-        self._report(request, timing)
+        self._report(index, request, timing)
 
-    def _report(self, request: WorkloadRequest, timing: StreamTiming) -> None:
+    def _report(self, index: int, request: WorkloadRequest, timing: StreamTiming) -> None:
         if timing.ttft_s is None or timing.e2e_s is None:
             return
         _fire(self.environment, "ttft", timing.ttft_s, timing.output_tokens)
@@ -202,7 +203,7 @@ class StreamingCompletionsUser(HttpUser):
         options = self.environment.parsed_options
         if options is not None and options.raw_csv:
             _Shared.raw_rows.append({
-                "index": request.index, "prompt_tokens": request.prompt_len,
+                "index": index, "prompt_tokens": len(request.prompt_token_ids),
                 "output_tokens": timing.output_tokens, "ttft_s": timing.ttft_s,
                 "tpot_s": timing.tpot_s, "e2e_s": timing.e2e_s,
                 "max_itl_s": max(timing.chunk_gaps, default=0.0)})

@@ -5,7 +5,7 @@
     iterserve plan --trace loadtests/traces/example_multi_turn.jsonl --gpu h200
     iterserve plan --workload steady --rate 50 --gpu my_gpu.json --router iterserve
 
-It simulates the workload (a generator of `loadtests/cluster_workloads` at --rate requests/s
+It simulates the workload (a generator of `autoscale/sim/shapes` at --rate requests/s
 for --duration s, or a trace replayed as recorded) on n replicas, doubling n until the SLO
 holds, then bisects down to the fewest that meet it, and prints every point it tried.
 --gpu names a preset (h100, h200: Llama-3-8B bf16, published figures) or a JSON file of
@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_policies import IterserveRouter
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
-from iterserve.autoscale.routing_context import RoutingPolicy
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.policies import IterserveRouter
+from iterserve.autoscale.sim.routing_context import RoutingPolicy
+from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.sim_runner import SimulatorConfig
 
 ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {"iterserve": IterserveRouter}
@@ -76,7 +77,7 @@ def gpu_config(spec: str) -> SimulatorConfig:
     return SimulatorConfig.from_mapping(json.loads(path.read_text()))
 
 
-def evaluate(workload: Sequence[SimRequest], replicas: int, config: ClusterSimConfig,
+def evaluate(workload: Sequence[WorkloadRequest], replicas: int, config: ClusterSimConfig,
              router: str, num_routers: int) -> PlanPoint:
     result = simulate(workload, [ROUTERS[router]() for _ in range(num_routers)], replicas,
                       config)
@@ -84,7 +85,7 @@ def evaluate(workload: Sequence[SimRequest], replicas: int, config: ClusterSimCo
                      result.throughput(), result.num_finished, len(workload))
 
 
-def plan(workload: Sequence[SimRequest], slo: Slo, config: ClusterSimConfig,
+def plan(workload: Sequence[WorkloadRequest], slo: Slo, config: ClusterSimConfig,
          router: str = "iterserve", num_routers: int = 2, max_replicas: int = 256,
          ) -> tuple[int | None, list[PlanPoint]]:
     """(fewest replicas meeting the SLO or None up to max_replicas, every point tried)."""
@@ -113,8 +114,8 @@ def plan(workload: Sequence[SimRequest], slo: Slo, config: ClusterSimConfig,
 
 def main(argv: list[str] | None = None) -> int:
     """fewest replicas meeting a TTFT/ITL SLO, searched with the cluster simulator"""
-    from iterserve.loadtests.cluster_trace import read_trace
-    from iterserve.loadtests.cluster_workloads import WORKLOADS, make
+    from iterserve.autoscale.sim.shapes import WORKLOADS, make
+    from iterserve.autoscale.sim.traces import read_trace
 
     parser = argparse.ArgumentParser(prog="iterserve plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

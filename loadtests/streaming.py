@@ -1,4 +1,5 @@
-"""Client-side timing of one streamed OpenAI completion (shared by Locust and `bench`).
+"""Client-side timing of one streamed OpenAI completion, and its request body (shared by
+Locust and `bench`).
 
 Definitions (vLLM `bench serve`; see reference/loadtests-observability.md 1.6):
 * TTFT: request sent -> first SSE chunk carrying text;
@@ -15,7 +16,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.autoscale.sim.workload import WorkloadRequest
+
 DONE = "[DONE]"
+
+
+def completion_body(request: WorkloadRequest, model: str, stream: bool = True) -> dict[str, Any]:
+    """An OpenAI /v1/completions body with exact lengths (token-id prompt, ignore_eos)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(request.prompt_token_ids),
+        "max_tokens": request.max_tokens, "min_tokens": request.max_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 @dataclass

@@ -4,7 +4,7 @@ Prompt tokens computed per second of step time, over the steps that prefilled an
 the last `RATE_WINDOW_S` seconds. Per second of *step* time, not of wall time: a router
 drains a replica's queued prefill at this rate, and an idle stretch says nothing about how
 fast the replica computes prompts. The engine (`engine_stats.py`) and the cluster
-simulator's replica (`autoscale/cluster_sim_replica.py`) both measure it with this class,
+simulator's replica (`autoscale/sim/simulated_replica.py`) both measure it with this class,
 so a simulated replica reports what a real one would.
 """
 

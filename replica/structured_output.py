@@ -12,8 +12,9 @@ Preemption keeps the matcher: the recomputed prompt and output are the tokens it
 
 Why xgrammar and not llguidance. Checked against xgrammar 0.2.9 (this project's venv) and
 llguidance 1.7.6 with xgrammar 0.2.8 (the vLLM 0.32 CPU build on the dev box), on SmolLM2's
-49k vocabulary, one valid document of loadtests/structured_workload's moderately complex
-schema, CPU, under the heavy-run lock on 2 shared cores (loadtests/structured_backends.py):
+49k vocabulary, one valid document of structured_workload's moderately complex schema, CPU,
+under the heavy-run lock on 2 shared cores (loadtests/studies/structured_outputs/: its
+structured_backends.py):
 - The bitmask apply, paid every step. `xgr.apply_token_bitmask_inplace` takes `indices`: one
   call masks just the constrained rows of a mixed batch, in C++ for CPU tensors and with a
   Triton kernel for CUDA ones (0.02 ms for 32 of 64 rows; first call 1 ms).
@@ -31,7 +32,7 @@ where xgrammar 0.2.9 takes 7 ms (0.2.8: 301 ms) and 2.7 ms p50 / 12.7 ms p99 ove
 assorted schemas; here compiles run off the engine thread and are cached, so they never
 stall the batch (only the request that waits for its grammar). vLLM sends llguidance
 the schemas xgrammar rejects; here those are a 400.
-Figures: loadtests/structured_backends.py, BENCHMARKS.md "Structured outputs".
+Figures: loadtests/studies/structured_outputs/structured_backends.py, BENCHMARKS.md "Structured outputs".
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from iterserve.autoscale.autoscaling_policy import autoscaling_env_vars  # noqa: E402
 from iterserve.autoscale.config import AutoscaleConfig  # noqa: E402
-from iterserve.autoscale.policy import autoscaling_env_vars  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,10 +23,10 @@ SCALING = AutoscaleConfig(
 
 @pytest.fixture(scope="module")
 def ray_serve():
-    pytest.importorskip("iterserve.deploy.replica")
+    pytest.importorskip("iterserve.deploy.llm_replica")
     from ray import serve
 
-    from iterserve.loadtests.sim_harness import start_ray
+    from iterserve.loadtests.studies.ray_harness import start_ray
 
     start_ray(autoscaling_env_vars(SCALING), num_cpus=8)
     yield
@@ -35,7 +35,11 @@ def ray_serve():
 
 
 def test_scale_up_then_down_without_failed_requests(ray_serve):
-    from iterserve.loadtests.autoscale_experiment import ENGINE_KWARGS, StepLoad, run
+    from iterserve.loadtests.studies.autoscaling_step_load.autoscale_experiment import (
+        ENGINE_KWARGS,
+        StepLoad,
+        run,
+    )
 
     load = StepLoad(seed=1, low_rate=0.3, high_rate=4.0, low1_s=4.0, high_s=20.0,
                     low2_s=25.0)

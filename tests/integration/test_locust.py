@@ -1,6 +1,6 @@
 """Locust headless, a few seconds, against a local stand-in server with known timings.
 
-The stand-in (`loadtests/fake_openai.py`) sends headers at once, the first token after
+The stand-in (`tests/fake_openai.py`) sends headers at once, the first token after
 TTFT_S and one token every ITL_S, so the test can check that the locustfile reports the
 stream's timings, not Locust's time-to-headers. The same file runs against `iterserve serve`
 (see BENCHMARKS_SERVING.md); that run is not part of the test suite.
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_openai import serve_fake_openai
 
 import iterserve.loadtests
-from iterserve.loadtests.fake_openai import serve_fake_openai
 
 TTFT_S, ITL_S = 0.08, 0.01
 # Not imported here: importing locust monkey-patches this process with gevent.

@@ -33,15 +33,15 @@ import pytest
 import yaml
 
 from iterserve.dashboards import metrics, provisioning
-from iterserve.loadtests.chaos import run_request
-from iterserve.loadtests.metrics_truth import (
+from iterserve.loadtests.servers import free_port, stop_server, wait_until_ready
+from iterserve.loadtests.studies.reliability.chaos import run_request
+from iterserve.loadtests.studies.reliability.metrics_truth import (
     finished_totals,
     hangup_storm,
     metrics_view,
     snapshot,
     wait_for_agreement,
 )
-from iterserve.loadtests.servers import free_port, stop_server, wait_until_ready
 from iterserve.replica.async_engine import IDLE_WAIT_S
 
 PROMETHEUS = shutil.which("prometheus")

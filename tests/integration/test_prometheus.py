@@ -24,10 +24,10 @@ import httpx
 import pytest
 import yaml
 
+from iterserve.autoscale.sim.workload import LengthBucket, OutputLengths, make_workload
 from iterserve.dashboards import metrics, panels, provisioning
 from iterserve.loadtests.bench_client import run_level
 from iterserve.loadtests.servers import free_port, serve_mode
-from iterserve.loadtests.workload import LengthBucket, OutputLengths, make_workload
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

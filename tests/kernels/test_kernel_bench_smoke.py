@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_testlib import INTERPRET
 
-from iterserve.loadtests import kernel_bench as bench
+from iterserve.loadtests.studies.gpu_first_light import kernel_bench as bench
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_floors_are_the_issue_floors() -> None:
     assert bench.decode_floor(1, 512) is None and bench.decode_floor(64, 512) is None
     assert bench.verdict(84.9, 85.0) == "BELOW FLOOR" and bench.verdict(85.0, 85.0) == "ok"
     assert bench.verdict(1.3, 1.2, higher_is_better=False) == "BELOW FLOOR"
-    from iterserve.loadtests.engine_decode_bench import STEP_FLOOR_RATIO
+    from iterserve.loadtests.studies.gpu_first_light.engine_decode_bench import STEP_FLOOR_RATIO
 
     assert STEP_FLOOR_RATIO == 1.2
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from reliability_support import local_server, run_async, wait_replicas_idle
 
-from iterserve.loadtests.chaos import disconnect_storm
+from iterserve.loadtests.studies.reliability.chaos import disconnect_storm
 
 STORM_ENGINE: dict[str, Any] = {
     "model": "iterserve-tiny",

@@ -9,7 +9,7 @@ that replica fails with EngineDeadError from then on. Even without the crash, th
 that was added is never aborted (the cancellation happens before generate's try/finally),
 so it runs to its end holding KV blocks with nobody listening.
 
-Bugs B2 (replica/async_engine.py) and B3 (deploy/replica.py) in RELIABILITY.md, now fixed;
+Bugs B2 (replica/async_engine.py) and B3 (deploy/llm_replica.py) in RELIABILITY.md, now fixed;
 these tests keep them fixed.
 """
 
@@ -100,7 +100,7 @@ def test_cancel_racing_admission_aborts_the_request() -> None:
 
 
 def _replica_outside_serve() -> Any:
-    from iterserve.deploy.replica import LLMReplica
+    from iterserve.deploy.llm_replica import LLMReplica
 
     cls = LLMReplica.func_or_class
     replica = cls.__new__(cls)
@@ -113,7 +113,7 @@ def test_replica_constructs_outside_serve() -> None:
 
 
 def test_replica_health_check_fails_when_engine_dies(monkeypatch: pytest.MonkeyPatch) -> None:
-    from iterserve.deploy.replica import LLMReplica
+    from iterserve.deploy.llm_replica import LLMReplica
 
     monkeypatch.setattr(LLMReplica.func_or_class, "_current_replica_id",
                         staticmethod(lambda: "outside-serve"))

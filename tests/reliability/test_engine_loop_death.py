@@ -24,7 +24,7 @@ import pytest
 from reliability_support import SIM_ENGINE, SIM_FAULT_FILE, run_async, serve_actor_pids
 from test_replica_crash import llm_replica_states
 
-from iterserve.loadtests.chaos import Outcome, closed_loop_streams
+from iterserve.loadtests.studies.reliability.chaos import Outcome, closed_loop_streams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from reliability_support import is_openai_error, local_server, run_async, wait_replicas_idle
 
-from iterserve.loadtests.chaos import run_request
+from iterserve.loadtests.studies.reliability.chaos import run_request
 
 KV_ENGINE: dict[str, Any] = {
     "model": "iterserve-tiny",

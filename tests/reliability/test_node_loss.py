@@ -1,4 +1,4 @@
-"""A node lost under streaming load (issue 14 part 3): `loadtests/node_loss.py` on a
+"""A node lost under streaming load (issue 14 part 3): `loadtests/studies/reliability/node_loss.py` on a
 two-node Ray cluster on this machine (head + worker, one LLMReplica each), the worker's
 raylet killed mid-load, the node then added back. Run in a subprocess so that its Ray cluster
 is its own. Floors asserted:
@@ -39,7 +39,7 @@ def test_node_loss_loses_nothing(tmp_path: Path) -> None:
     ray_dir = tempfile.mkdtemp(prefix="iterserve-nl-", dir="/tmp")
     # 8 long-stream clients (150 tokens, ~3 s) and 8 short probe clients: streams under way
     # on the lost node, and frequent routing decisions around the kill.
-    command = [sys.executable, "-m", "iterserve.loadtests.node_loss", "--clients", "8",
+    command = [sys.executable, "-m", "iterserve.loadtests.studies.reliability.node_loss", "--clients", "8",
                "--max-tokens", "150", "--probe-clients", "8", "--probe-tokens", "16",
                "--down-s", "8", "--temp-dir", ray_dir, "--json", str(out)]
     try:

@@ -3,7 +3,7 @@ bounded, every request accounted for (success or 429, nothing else, nothing drop
 
 The engine is the production engine over the simulated runner (20 ms steps), with
 max_num_seqs=8 and a waiting queue bounded at 8. Capacity is measured first (8 closed-loop
-clients); then requests arrive open-loop at 3x that rate (loadtests/overload.py).
+clients); then requests arrive open-loop at 3x that rate (loadtests/studies/reliability/overload.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from reliability_support import (
     wait_replicas_idle,
 )
 
-from iterserve.loadtests.overload import OverloadResult, overload
+from iterserve.loadtests.studies.reliability.overload import OverloadResult, overload
 
 MAX_WAITING = 8
 ENGINE = {**SIM_ENGINE, "max_waiting_requests": MAX_WAITING}

@@ -8,7 +8,7 @@ Simulated runner (20 ms per step). Two paths:
 
 * `serve.run` of the changed application in this process (the shared Ray session);
 * `serve deploy` of changed YAML configs with Ray's CLI against a Ray dashboard
-  (`loadtests/serve_deploy_disruption.py`, in a subprocess: it starts its own Ray with the
+  (`loadtests/studies/reliability/serve_deploy_disruption.py`, in a subprocess: it starts its own Ray with the
   dashboard). A changed `args:` replaces the ingress too, and a stream longer than Serve's
   default 20 s drain runs through the redeploy. The timelines are printed for RELIABILITY.md.
 """
@@ -28,7 +28,7 @@ import httpx
 import pytest
 from reliability_support import APP_NAME, SIM_ENGINE
 
-from iterserve.loadtests.disruption import StreamingLoad, Timeline
+from iterserve.loadtests.studies.reliability.disruption import StreamingLoad, Timeline
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -92,7 +92,7 @@ def test_serve_deploy_scale_down_and_redeploy_drop_nothing(tmp_path: Path) -> No
     out = tmp_path / "serve_deploy.json"
     # Ray's socket paths must stay under 107 bytes: a short folder, not pytest's tmp_path.
     ray_dir = tempfile.mkdtemp(prefix="iterserve-sd-", dir="/tmp")
-    command = [sys.executable, "-m", "iterserve.loadtests.serve_deploy_disruption",
+    command = [sys.executable, "-m", "iterserve.loadtests.studies.reliability.serve_deploy_disruption",
                "--temp-dir", ray_dir, "--json", str(out)]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=420)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from reliability_support import SIM_ENGINE, run_async, serve_actor_pids, wait_replicas_idle
 
-from iterserve.loadtests.chaos import Outcome, closed_loop_streams
+from iterserve.loadtests.studies.reliability.chaos import Outcome, closed_loop_streams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 

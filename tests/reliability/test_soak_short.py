@@ -1,5 +1,5 @@
-"""A short soak (the CI version of loadtests/soak.py's 10-minute run): headless Locust against
-the Serve app for SOAK_SECONDS (default 40), sampling replica RSS.
+"""A short soak (the CI version of loadtests/studies/reliability/soak.py's 10-minute run):
+headless Locust against the Serve app for SOAK_SECONDS (default 40), sampling replica RSS.
 
 Zero failures, RSS growth of the LLMReplica process under 5 % after a short warm-up, and
 exact block accounting at the end. The 10-minute figure is in RELIABILITY.md.
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from reliability_support import TINY_ENGINE
 
-from iterserve.loadtests.soak import replica_infos, run_soak, session_pids
+from iterserve.loadtests.studies.reliability.soak import replica_infos, run_soak, session_pids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 

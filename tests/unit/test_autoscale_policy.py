@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.autoscale.config import AutoscaleConfig
-from iterserve.autoscale.policy import (
+from iterserve.autoscale.autoscaling_policy import (
     KVAutoscalingPolicy,
     ReplicaSignal,
     ScalingContext,
@@ -13,6 +12,7 @@ from iterserve.autoscale.policy import (
     desired_replicas,
     serve_autoscaling_config,
 )
+from iterserve.autoscale.config import AutoscaleConfig
 from iterserve.autoscale.signals import ReplicaLoad
 
 CFG = AutoscaleConfig(min_replicas=1, max_replicas=6, upscale_delay_s=2.0,

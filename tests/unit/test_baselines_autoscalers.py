@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from iterserve.autoscale.baselines_autoscalers import (
+from iterserve.autoscale.autoscaling_policy import ReplicaSignal, ScalingContext
+from iterserve.autoscale.config import AutoscaleConfig
+from iterserve.autoscale.sim.baseline_autoscalers import (
     FixedReplicas,
     IterserveAutoscaler,
     RayAutoscalingConfig,
@@ -12,8 +14,6 @@ from iterserve.autoscale.baselines_autoscalers import (
     hpa_recommendation,
     ray_desired_replicas,
 )
-from iterserve.autoscale.config import AutoscaleConfig
-from iterserve.autoscale.policy import ReplicaSignal, ScalingContext
 
 
 def sctx(now: float, n: int, waiting: float = 0.0, kv: float = 0.0, running: float = 0.0,

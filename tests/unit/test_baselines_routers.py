@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import random
 
-from iterserve.autoscale.baselines_routers import (
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.baseline_cache_routers import (
+    DynamoRouter,
+    LlmdRouter,
+    RayPrefixAffinityRouter,
+    SglangRouter,
+)
+from iterserve.autoscale.sim.baseline_routers import (
     LeastKVRouter,
     LlmdWeights,
     PowerOfTwoRouter,
@@ -13,16 +20,9 @@ from iterserve.autoscale.baselines_routers import (
     dynamo_costs,
     llmd_scores,
 )
-from iterserve.autoscale.baselines_routers_cache import (
-    DynamoRouter,
-    LlmdRouter,
-    RayPrefixAffinityRouter,
-    SglangRouter,
-)
-from iterserve.autoscale.iterserve_routing import IterserveRouter
-from iterserve.autoscale.prefix_history import PrefixHistory, block_chain
-from iterserve.autoscale.routing_context import ReplicaView, RouteRequest, RoutingContext
-from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.iterserve_router import IterserveRouter
+from iterserve.autoscale.sim.prefix_history import PrefixHistory, block_chain
+from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 
 BS = 16
 

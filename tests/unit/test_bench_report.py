@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_openai import serve_fake_openai
 
 from iterserve.autoscale.percentile import percentile
 from iterserve.loadtests import bench
@@ -17,7 +18,6 @@ from iterserve.loadtests.bench_stats import (
     parse_slo,
     summarise_level,
 )
-from iterserve.loadtests.fake_openai import serve_fake_openai
 from iterserve.loadtests.streaming import StreamTiming
 
 

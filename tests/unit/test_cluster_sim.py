@@ -7,22 +7,24 @@ import random
 import numpy as np
 import pytest
 
-from iterserve.autoscale.cluster_sim import RouterState, simulate
-from iterserve.autoscale.cluster_sim_policies import (
-    FixedReplicas,
-    IterserveAutoscaler,
-    IterserveRouter,
-)
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest, SimResult
 from iterserve.autoscale.config import AutoscaleConfig
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
 from iterserve.autoscale.router_policy import InFlightTracker
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.cluster import RouterState, simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.policies import (
+    FixedReplicas,
+    IterserveAutoscaler,
+    IterserveRouter,
+)
+from iterserve.autoscale.sim.results import SimResult
+from iterserve.autoscale.sim.workload import WorkloadRequest
 
 
 def make_workload(n: int, rate: float, seed: int = 0, num_prefixes: int = 4,
                   prompt: tuple[int, int] = (40, 600), output: tuple[int, int] = (8, 200),
-                  start: float = 0.0) -> list[SimRequest]:
+                  start: float = 0.0) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     prefixes = [tuple(rng.randrange(10, 4000) for _ in range(128)) for _ in range(num_prefixes)]
     t, out = start, []
@@ -30,7 +32,7 @@ def make_workload(n: int, rate: float, seed: int = 0, num_prefixes: int = 4,
         t += rng.expovariate(rate)
         own = tuple(rng.randrange(10, 4000) for _ in range(rng.randint(*prompt)))
         ids = (prefixes[rng.randrange(num_prefixes)] + own) if num_prefixes else own
-        out.append(SimRequest(f"r{seed}-{i}", t, ids, rng.randint(*output),
+        out.append(WorkloadRequest(f"r{seed}-{i}", t, ids, rng.randint(*output),
                               output_token_id=rng.randrange(10, 4000)))
     return out
 
@@ -171,10 +173,10 @@ def test_results_do_not_depend_on_the_process_hash_seed() -> None:
 
     script = (
         "import hashlib\n"
-        "from iterserve.autoscale.cluster_sim import simulate\n"
-        "from iterserve.autoscale.cluster_sim_policies import IterserveRouter\n"
-        "from iterserve.autoscale.cluster_sim_types import ClusterSimConfig\n"
-        "from iterserve.loadtests.cluster_workloads import make\n"
+        "from iterserve.autoscale.sim.cluster import simulate\n"
+        "from iterserve.autoscale.sim.policies import IterserveRouter\n"
+        "from iterserve.autoscale.sim.config import ClusterSimConfig\n"
+        "from iterserve.autoscale.sim.shapes import make\n"
         "r = simulate(make('multi-turn', 10.0, 20.0), [IterserveRouter(), IterserveRouter()],"
         " 2, ClusterSimConfig(num_blocks=2000))\n"
         "print(hashlib.sha256(r.to_json().encode()).hexdigest())\n")
@@ -186,7 +188,7 @@ def test_results_do_not_depend_on_the_process_hash_seed() -> None:
 
 def test_a_request_that_can_never_fit_is_rejected_and_the_rest_finish() -> None:
     workload = make_workload(20, rate=10.0, num_prefixes=0)
-    too_long = SimRequest("huge", 0.5, tuple(range(100, 3100)), 10)  # > max_model_len 2048
+    too_long = WorkloadRequest("huge", 0.5, tuple(range(100, 3100)), 10)  # > max_model_len 2048
     result = simulate(sorted(workload + [too_long], key=lambda r: r.arrival_time),
                       [IterserveRouter()], 1, SMALL)
     huge = next(r for r in result.records if r.request_id == "huge")
@@ -235,7 +237,7 @@ def test_private_blocks_hashed_lazily_give_the_same_results(workload: str, rate:
     it is preempted): byte-identical JSON with and without it, under block pressure
     (preemptions, whose readmissions find their own blocks), shared heads and prefix hits,
     on the fast path and step by step."""
-    from iterserve.loadtests.cluster_workloads import make
+    from iterserve.autoscale.sim.shapes import make
 
     requests = make(workload, rate, 6.0, seed=2)
     assert all(r.prompt_token_ids.private for r in requests)
@@ -259,15 +261,15 @@ def test_stats_count_no_prefill_left_for_a_decode_that_joined_one_prompt_token_s
     """A chunk that stops one token short of the prompt's end makes the request a decode
     whose next step computes that token: from then on a stats report counts no prefill
     left for it, on the fast path as step by step (its lazily kept fields are synced)."""
-    from iterserve.autoscale.cluster_sim_replica import SimReplica
-    from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
+    from iterserve.autoscale.sim.prompts import SyntheticPrompt
+    from iterserve.autoscale.sim.simulated_replica import SimulatedReplica
 
     prompt = SyntheticPrompt((), 1 << 31, 513, private=private)  # a chunk of 512, then 1
-    spec = SimRequest("r", 0.0, prompt, 64)
+    spec = WorkloadRequest("r", 0.0, prompt, 64)
     queued = []
     for fast in (True, False):
         config = ClusterSimConfig(**{**SMALL.__dict__, "num_blocks": 400, "fast_forward": fast})
-        replica = SimReplica("replica-0", config, 0.0)
+        replica = SimulatedReplica("replica-0", config, 0.0)
         replica.add(spec, 0.0)
         seen = []
         while replica.wake_time is not None and len(seen) < 10:
@@ -278,14 +280,14 @@ def test_stats_count_no_prefill_left_for_a_decode_that_joined_one_prompt_token_s
 
 
 def test_a_rejected_private_request_leaves_no_mark() -> None:
-    from iterserve.autoscale.cluster_sim_replica import SimReplica
-    from iterserve.autoscale.cluster_sim_types import SyntheticPrompt
+    from iterserve.autoscale.sim.prompts import SyntheticPrompt
+    from iterserve.autoscale.sim.simulated_replica import SimulatedReplica
 
     config = ClusterSimConfig(**{**SMALL.__dict__, "num_blocks": 400})
-    replica = SimReplica("replica-0", config, 0.0)
-    too_long = SimRequest("big", 0.0, SyntheticPrompt((), 1 << 31, 4000, private=True), 8)
+    replica = SimulatedReplica("replica-0", config, 0.0)
+    too_long = WorkloadRequest("big", 0.0, SyntheticPrompt((), 1 << 31, 4000, private=True), 8)
     with pytest.raises(ValueError):
         replica.add(too_long, 0.0)
     assert not replica.block_manager.private_from
-    replica.add(SimRequest("ok", 0.0, SyntheticPrompt((), 1 << 30, 40, private=True), 8), 0.0)
+    replica.add(WorkloadRequest("ok", 0.0, SyntheticPrompt((), 1 << 30, 40, private=True), 8), 0.0)
     assert replica.block_manager.private_from == {"ok": 0}

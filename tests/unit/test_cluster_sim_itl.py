@@ -6,7 +6,7 @@ import collections
 import random
 from dataclasses import dataclass
 
-from iterserve.autoscale.cluster_sim_itl import (
+from iterserve.autoscale.sim.itl import (
     ItlCounter,
     count_gaps,
     itl_histogram,

@@ -7,21 +7,22 @@ import random
 
 import pytest
 
-from iterserve.autoscale.baselines_routers_cache import RayPrefixAffinityRouter
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
-from iterserve.autoscale.prefix_history import block_chain
-from iterserve.autoscale.routing_context import ReplicaView, RouteRequest, RoutingContext
+from iterserve.autoscale.sim.baseline_cache_routers import RayPrefixAffinityRouter
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.prefix_history import block_chain
+from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
+from iterserve.autoscale.sim.workload import WorkloadRequest
 
 
-def _workload(n: int = 200, seed: int = 0) -> list[SimRequest]:
+def _workload(n: int = 200, seed: int = 0) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     prefix = tuple(rng.randrange(10, 4000) for _ in range(64))
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(20.0)
         own = tuple(rng.randrange(10, 4000) for _ in range(rng.randint(20, 400)))
-        out.append(SimRequest(f"r{i}", t, prefix + own if i % 2 else own, rng.randint(4, 80)))
+        out.append(WorkloadRequest(f"r{i}", t, prefix + own if i % 2 else own, rng.randint(4, 80)))
     return out
 
 

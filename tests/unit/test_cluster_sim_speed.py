@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from array import array
 
-from iterserve.autoscale.cluster_sim_prefix import PromptBlockKeys
-from iterserve.autoscale.cluster_sim_types import PackedPrefixes, SyntheticPrompt
 from iterserve.autoscale.router_policy import Correction, InFlightTracker
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.prefix import PromptBlockKeys
+from iterserve.autoscale.sim.prompts import PackedPrefixes, SyntheticPrompt
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ def test_register_next_block_equals_mark_computed() -> None:
 
 
 def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
-    from iterserve.autoscale.cluster_sim_prefix import ClusterPrefixCache
+    from iterserve.autoscale.sim.prefix import ClusterPrefixCache
 
     rng = random.Random(2)
     shared = [rng.randrange(50) for _ in range(24)]

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SyntheticPrompt
-from iterserve.loadtests.cluster_trace import read_trace, trace_rows, write_trace
-from iterserve.loadtests.cluster_workloads import WORKLOADS, make
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.prompts import SyntheticPrompt
+from iterserve.autoscale.sim.shapes import WORKLOADS, make
+from iterserve.autoscale.sim.traces import read_trace, trace_rows, write_trace
 from iterserve.loadtests.cost_model_probe import timed_runner
 from iterserve.loadtests.plan import Slo, main, plan
 from iterserve.replica.outputs import ScheduledRequest, SchedulerOutput

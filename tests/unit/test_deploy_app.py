@@ -10,7 +10,7 @@ from iterserve.deploy import cli, cli_serve
 from iterserve.deploy.app import AppArgs, build_app, coerce_engine_kwargs
 from iterserve.deploy.auth import API_KEYS_ENV, ApiKeyChecker, load_api_keys
 from iterserve.deploy.engine_info import flat_config
-from iterserve.deploy.replica import SHUTDOWN_SLACK_S, drain_timeout_for
+from iterserve.deploy.llm_replica import SHUTDOWN_SLACK_S, drain_timeout_for
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.stats import EngineStats
 

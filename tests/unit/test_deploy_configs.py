@@ -61,7 +61,7 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config():
 def test_no_config_drains_shorter_than_the_longest_generation(path):
     """A deployment's graceful_shutdown_timeout_s in a config overrides the app's derived
     drain: one below drain_timeout_for(max_model_len) would cut long streams on redeploy."""
-    from iterserve.deploy.replica import drain_timeout_for
+    from iterserve.deploy.llm_replica import drain_timeout_for
 
     for app in ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())).applications:
         engine = AppArgs.model_validate(app.args or {}).engine_config()

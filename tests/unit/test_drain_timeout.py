@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.deploy.app import build_app
-from iterserve.deploy.replica import (
+from iterserve.deploy.llm_replica import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_SECONDS_PER_TOKEN,
     SHUTDOWN_SLACK_S,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.loadtests.engine_cpu_overhead import fit_line, measure
-from iterserve.loadtests.sim_validation import MEASURED, read_engine_cpu, sim_config
+from iterserve.loadtests.studies.sim_validation.engine_cpu_overhead import fit_line, measure
+from iterserve.loadtests.studies.sim_validation.sim_validation import MEASURED, read_engine_cpu, sim_config
 from iterserve.replica.sim_runner import CostModel
 
 META = {"time_scale": 5.0, "period_s": 0.5,

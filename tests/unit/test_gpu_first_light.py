@@ -1,4 +1,4 @@
-"""loadtests/gpu_first_light.py --dry-run on CPU: the prepared GPU script's code runs here.
+"""gpu_first_light.py --dry-run on CPU: the prepared GPU script's code runs here.
 
 The dry run is the real script with a CPU plan: engine-vs-HF greedy parity on the built-in
 model (fp32 and bf16), the structured-output stage on a small batch (the ratio reported, the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.loadtests import gpu_first_light as fl
+from iterserve.loadtests.studies.gpu_first_light import gpu_first_light as fl
 from iterserve.replica.sim_runner import CostModel
 
 pytest.importorskip("transformers")
@@ -65,7 +65,7 @@ def test_structured_stage_judges_the_gpu_floor(monkeypatch: pytest.MonkeyPatch, 
     the model and the measurements are stand-ins; the dry run above runs the real ones)."""
     from types import SimpleNamespace
 
-    from iterserve.loadtests import structured_bench
+    from iterserve.loadtests.studies.structured_outputs import structured_bench
     from iterserve.replica import structured_output
 
     stats = structured_output.CompileStats(num_requests=4, num_cache_hits=3, compile_times_s=())

@@ -1,7 +1,7 @@
 """Host-side halves of the engine step: the packed CUDA-graph inputs and the launch hints.
 
 The device half (one pinned host-to-device copy into the graph's static buffers) needs a
-GPU: loadtests/gpu_first_light.py runs it. Here the packing is checked on numpy.
+GPU: loadtests/studies/gpu_first_light/gpu_first_light.py runs it. Here the packing is checked on numpy.
 """
 
 from __future__ import annotations

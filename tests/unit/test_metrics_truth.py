@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.dashboards import metrics as m
 from iterserve.deploy.engine_info import describe_engine
-from iterserve.loadtests.metrics_truth import disagreements, engine_view, metrics_view
+from iterserve.loadtests.studies.reliability.metrics_truth import disagreements, engine_view, metrics_view
 from iterserve.replica import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from iterserve.replica.async_engine import IDLE_WAIT_S
 from iterserve.replica.stats import FINISH_REASONS

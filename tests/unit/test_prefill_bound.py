@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from iterserve.autoscale.baselines_routers import PowerOfTwoRouter
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.iterserve_routing import IterserveRouter
-from iterserve.loadtests.cluster_workloads import make
-from iterserve.loadtests.prefill_bound import cold_prefixes, idle_ttft, per_request_bounds
-from iterserve.loadtests.tournament_cells import sim_config
+from iterserve.autoscale.sim.baseline_routers import PowerOfTwoRouter
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.iterserve_router import IterserveRouter
+from iterserve.autoscale.sim.shapes import make
+from iterserve.loadtests.studies.prefill_bound.prefill_bound import (
+    cold_prefixes,
+    idle_ttft,
+    per_request_bounds,
+)
+from iterserve.loadtests.studies.router_tournament.tournament_cells import sim_config
 
 
 def test_idle_ttft_charges_the_uncached_tokens() -> None:

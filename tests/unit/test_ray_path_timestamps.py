@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from iterserve.loadtests.ray_path_latency import hop_summary
-from iterserve.loadtests.sim_harness import RequestRecord
+from iterserve.loadtests.studies.ray_harness import ClientRecord
+from iterserve.loadtests.studies.sim_validation.ray_path_latency import hop_summary
 from iterserve.replica import AsyncLLMEngine, EngineConfig, SamplingParams
 
 # One prefill step of a 1500-token prompt at time_scale 20: (6.5 ms + 1500 x 30 us) x 20
@@ -49,12 +49,12 @@ async def _first(stream):  # noqa: ANN001, ANN202 - an async generator of Reques
 def test_hop_summary_splits_driver_ttft_around_the_engine() -> None:
     records = []
     for i in range(10):
-        r = RequestRecord(f"r{i}", sent=100.0 + i, is_long=False, prompt_tokens=100,
+        r = ClientRecord(f"r{i}", sent=100.0 + i, kind="short", prompt_tokens=100,
                           first_token=100.0 + i + 0.5, finish_reason="length",
                           engine_arrival=100.0 + i + 0.01 * (i + 1),
                           engine_first_token=100.0 + i + 0.49, cached_tokens=50)
         records.append(r)
-    records.append(RequestRecord("failed", 0.0, False, error="boom"))
+    records.append(ClientRecord("failed", 0.0, "short", error="boom"))
     s = hop_summary(records)
     assert s["hops_measured"] == 10
     assert s["dispatch_p50_s"] == pytest.approx(0.055)

@@ -7,11 +7,11 @@ from collections.abc import Hashable
 
 import pytest
 
-from iterserve.autoscale.baselines_routers_cache import RayPrefixAffinityRouter
-from iterserve.autoscale.routing_context import RoutingContext
-from iterserve.loadtests import ray_prefix_check
-from iterserve.loadtests.ray_routers import token_ids_as_text
-from iterserve.loadtests.routing_experiment import WorkloadConfig, make_workload
+from iterserve.autoscale.sim.baseline_cache_routers import RayPrefixAffinityRouter
+from iterserve.autoscale.sim.routing_context import RoutingContext
+from iterserve.loadtests.studies.ray_routing import ray_prefix_check
+from iterserve.loadtests.studies.ray_routing.ray_routers import token_ids_as_text
+from iterserve.loadtests.studies.ray_routing.routing_experiment import WorkloadConfig, make_workload
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:coroutine 'LLMReplica.__del__'")
 
 
 def test_routing_stats_carry_the_cached_block_hashes() -> None:
-    from iterserve.deploy.replica import LLMReplica
+    from iterserve.deploy.llm_replica import LLMReplica
 
     async def run() -> tuple[dict, dict, dict, list[int]]:
         cls = LLMReplica.func_or_class

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.loadtests.router_arm import main
-from iterserve.loadtests.tournament import cell_key
-from iterserve.loadtests.tournament_cells import run_cell
+from iterserve.loadtests.studies.router_arms.router_arm import main
+from iterserve.loadtests.studies.router_tournament.tournament import cell_key
+from iterserve.loadtests.studies.router_tournament.tournament_cells import run_cell
 
 BASE = {"kind": "router", "workload": "multi-turn", "replicas": 4, "load": 0.9, "rate": 40.0,
         "duration_s": 8.0, "seed": 3, "cost_scale": None, "autoscaler": None}

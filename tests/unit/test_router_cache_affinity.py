@@ -8,10 +8,10 @@ import random
 import pytest
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.iterserve_routing import CALLER_VIEWS, OWN_TRACKER, IterserveRouter
 from iterserve.autoscale.router_policy import Correction, rank_replicas
-from iterserve.autoscale.routing_context import ReplicaView, RouteRequest, RoutingContext
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.iterserve_router import CALLER_VIEWS, OWN_TRACKER, IterserveRouter
+from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 
 NOW = 100.0
 STICKY = RouterConfig(cache_affinity_threshold=0.1, cache_affinity_slack=2.0,

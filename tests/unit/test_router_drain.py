@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_inflight import Correction, InFlightTracker
 from iterserve.autoscale.router_policy import effective_load, prefill_queue, queued_prefill
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
 from iterserve.replica.prefill_rate import RATE_WINDOW_S, PrefillRateMeter
 
@@ -153,13 +154,13 @@ def test_the_prefill_rate_is_tokens_per_step_second_over_the_window() -> None:
 
 
 def test_the_simulated_replica_reports_its_cost_models_prefill_rate() -> None:
-    from iterserve.autoscale.cluster_sim_replica import SimReplica
+    from iterserve.autoscale.sim.simulated_replica import SimulatedReplica
 
     config = ClusterSimConfig()
-    replica = SimReplica("r0", config, 0.0)
+    replica = SimulatedReplica("r0", config, 0.0)
     assert replica.load(0.0).prefill_token_rate == 0.0  # nothing prefilled yet
     prompt = list(range(1, 1001))
-    replica.add(SimRequest("q", 0.0, tuple(prompt), 4, output_token_id=7), 0.0)
+    replica.add(WorkloadRequest("q", 0.0, tuple(prompt), 4, output_token_id=7), 0.0)
     step = config.sim.cost.step_time(1000, 0, 1000)  # one step prefills the whole prompt
     assert replica.load(step).prefill_token_rate == pytest.approx(1000 / step)
     assert replica.load(step + 5.0).prefill_token_rate == 0.0  # out of the 2 s window

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.loadtests.router_information import label, parse_variant, run_variant, table
-from iterserve.loadtests.tournament_cells import NUM_INGRESS_ROUTERS, run_cell
+from iterserve.loadtests.studies.router_arms.router_information import (
+    label,
+    parse_variant,
+    run_variant,
+    table,
+)
+from iterserve.loadtests.studies.router_tournament.tournament_cells import NUM_INGRESS_ROUTERS, run_cell
 
 CELL = {"kind": "router", "workload": "multi-turn", "replicas": 4, "load": 0.9, "rate": 40.0,
         "duration_s": 8.0, "router": "iterserve", "seed": 3, "cost_scale": None}

@@ -11,18 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig
-from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.router_meters import RoutedWorkMeter
-from iterserve.autoscale.routing_context import (
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.iterserve_router import IterserveRouter
+from iterserve.autoscale.sim.routing_context import (
     OfferDelta,
     ReplicaView,
     RouteRequest,
     RoutingContext,
 )
-from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.loadtests.cluster_workloads import make
+from iterserve.autoscale.sim.shapes import make
 from tests.unit.test_router_table import PROMPT, _config, _load
 
 NOW = 1000.0

@@ -10,20 +10,21 @@ from collections.abc import Hashable
 
 import pytest
 
-from iterserve.autoscale.baselines_routers import PowerOfTwoRouter
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.iterserve_routing import IterserveRouter
 from iterserve.autoscale.router_state import KVRouterCore
-from iterserve.autoscale.routing_context import PeerSyncedPolicy, RouteRequest
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.baseline_routers import PowerOfTwoRouter
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.iterserve_router import IterserveRouter
+from iterserve.autoscale.sim.routing_context import PeerSyncedPolicy, RouteRequest
+from iterserve.autoscale.sim.workload import WorkloadRequest
 
 SMALL = ClusterSimConfig(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=512,
                          max_model_len=2048)
 
 
-def workload(n: int = 240, rate: float = 40.0, seed: int = 0) -> list[SimRequest]:
+def workload(n: int = 240, rate: float = 40.0, seed: int = 0) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     prefixes = [tuple(rng.randrange(10, 4000) for _ in range(96)) for _ in range(3)]
     t, out = 0.0, []
@@ -31,7 +32,7 @@ def workload(n: int = 240, rate: float = 40.0, seed: int = 0) -> list[SimRequest
         t += rng.expovariate(rate)
         ids = rng.choice(prefixes) + tuple(rng.randrange(10, 4000)
                                            for _ in range(rng.randint(20, 300)))
-        out.append(SimRequest(f"q{i}", t, ids, rng.randint(4, 80)))
+        out.append(WorkloadRequest(f"q{i}", t, ids, rng.randint(4, 80)))
     return out
 
 

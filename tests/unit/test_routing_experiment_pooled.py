@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from iterserve.loadtests.routing_experiment import pooled, summarize
-from iterserve.loadtests.sim_harness import RequestRecord
-from iterserve.loadtests.sim_validation import load_ray_results
+from iterserve.loadtests.studies.ray_harness import ClientRecord
+from iterserve.loadtests.studies.ray_routing.routing_experiment import pooled, summarize
+from iterserve.loadtests.studies.sim_validation.sim_validation import load_ray_results
 
 
 def a_run(arm: str, ttfts: list[float], load: float) -> dict[str, Any]:
-    records = [RequestRecord(request_id=f"{arm}-{i}", sent=float(i), is_long=False,
+    records = [ClientRecord(request_id=f"{arm}-{i}", sent=float(i), kind="short",
                              first_token=i + t, finished=i + t + 1.0, num_tokens=4,
                              finish_reason="length")
                for i, t in enumerate(ttfts)]

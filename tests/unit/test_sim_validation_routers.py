@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.autoscale.iterserve_routing import IterserveRouter
-from iterserve.loadtests.routing_experiment import ARMS, iterserve_router_config
-from iterserve.loadtests.sim_validation import ARM_ROUTERS, PowerOfTwo, sim_router
+from iterserve.autoscale.sim.iterserve_router import IterserveRouter
+from iterserve.loadtests.studies.ray_routing.routing_experiment import ARMS, iterserve_router_config
+from iterserve.loadtests.studies.sim_validation.sim_validation import ARM_ROUTERS, PowerOfTwo, sim_router
 
 
 def test_the_ray_run_records_a_config_for_iterserve_arms_only() -> None:
@@ -46,7 +46,7 @@ def test_results_without_a_config_get_the_router_the_adapter_ran_then() -> None:
 def test_two_runs_of_one_arm_are_told_apart_and_keep_their_own_configs(tmp_path: Path) -> None:
     import json
 
-    from iterserve.loadtests.sim_validation import load_ray_results
+    from iterserve.loadtests.studies.sim_validation.sim_validation import load_ray_results
 
     meta = {"workload": {"seed": 0}, "engine_kwargs": {}, "time_scale": 5.0}
     config = iterserve_router_config("KVAware", 0.5).model_dump()

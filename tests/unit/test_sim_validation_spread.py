@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from iterserve.autoscale.percentile import percentile
-from iterserve.loadtests.sim_validation import k_run_p99_range
-from iterserve.loadtests.sim_validation_report import Row, engine_cpu_table, main_table
+from iterserve.loadtests.studies.sim_validation.sim_validation import k_run_p99_range
+from iterserve.loadtests.studies.sim_validation.sim_validation_report import Row, engine_cpu_table, main_table
 
 
 def _seeds() -> list[list[float]]:
@@ -57,7 +57,7 @@ def test_the_report_says_whether_ray_falls_in_the_spread_and_shows_the_term() ->
 
 
 def test_measured_waits_come_from_the_histogram_else_the_quantiles() -> None:
-    from iterserve.loadtests.sim_validation import read_engine_waits
+    from iterserve.loadtests.studies.sim_validation.sim_validation import read_engine_waits
 
     fit = {"per_step_s": 0.001, "per_seq_s": 0.0001, "steps": 100.0, "mean_idle_s": 0.003,
            "mean_batch": 3.0, "p50_idle_s": 0.001, "p90_idle_s": 0.002, "p99_idle_s": 0.02,

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from iterserve.deploy.engine_client import LocalEngineClient
 from iterserve.deploy.server import IngressSettings, create_app
 from iterserve.deploy.tool_calls import ToolSettings
-from iterserve.loadtests.structured_bench import validity
+from iterserve.loadtests.studies.structured_outputs.structured_bench import validity
 from iterserve.replica import LLM, AsyncLLMEngine, EngineConfig
 
 pytestmark = pytest.mark.slow

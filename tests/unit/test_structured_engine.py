@@ -12,7 +12,10 @@ import re
 import jsonschema
 import pytest
 
-from iterserve.loadtests.structured_workload import assorted_schemas, moderately_complex_schema
+from iterserve.loadtests.studies.structured_outputs.structured_workload import (
+    assorted_schemas,
+    moderately_complex_schema,
+)
 from iterserve.replica import LLM, LLMEngine, SamplingParams
 from iterserve.replica.structured_spec import StructuredSpec, check_structured_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from iterserve.deploy.replica import replica_engine_kwargs
+from iterserve.deploy.llm_replica import replica_engine_kwargs
 from iterserve.replica.config import offline_cpu_threads, replica_cpu_threads
 
 

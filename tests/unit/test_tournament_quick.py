@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from iterserve.loadtests.tournament import main
+from iterserve.loadtests.studies.router_tournament.tournament import main
 
 
 def test_quick_tournament_writes_tables_json_and_plots(tmp_path: Path) -> None:

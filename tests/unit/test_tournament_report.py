@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.loadtests.tournament import autoscaler_cells, cell_duration_s, cell_key
-from iterserve.loadtests.tournament_cells import slo_scale
-from iterserve.loadtests.tournament_estimate import cell_cpu_s, fit
-from iterserve.loadtests.tournament_report import (
+from iterserve.loadtests.studies.router_tournament.tournament import (
+    autoscaler_cells,
+    cell_duration_s,
+    cell_key,
+)
+from iterserve.loadtests.studies.router_tournament.tournament_cells import slo_scale
+from iterserve.loadtests.studies.router_tournament.tournament_estimate import cell_cpu_s, fit
+from iterserve.loadtests.studies.router_tournament.tournament_report import (
     autoscaler_verdict,
     floor_check,
     misses,
@@ -102,7 +106,8 @@ def test_report_renders_tables_matrix_and_plots(tmp_path: Path) -> None:
               {**auto, "autoscaler": "fixed", "label": "fixed-8", "gpu_hours": 0.8,
                "ttft_slo_attainment": 1.0}]
     store = {"cells": {json.dumps(i): c for i, c in enumerate(cells)}, "capacity": {},
-             "commands": ["python -m iterserve.loadtests.tournament --only routers"]}
+             "commands": ["python -m iterserve.loadtests.studies.router_tournament.tournament"
+                          " --only routers"]}
     write_report(store, tmp_path, "t")
     md = (tmp_path / "t.md").read_text()
     assert "## Floors at a glance" in md and "| multi-tenant | 8 | ok, pow2 3.0x |" in md

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.loadtests.tournament import cell_key
-from iterserve.loadtests.tournament_seeds import (
+from iterserve.loadtests.studies.router_tournament.tournament import cell_key
+from iterserve.loadtests.studies.router_tournament.tournament_seeds import (
     cells_by_seed,
     geometric_mean,
     main,
@@ -65,7 +65,8 @@ def test_table_rows_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main([str(p) for p in paths] + ["--out", str(out)]) == 0
     text = out.read_text()
     assert text.startswith("# Tournament floors on several workload seeds")
-    assert f"`python -m iterserve.loadtests.tournament_seeds {paths[0]} {paths[1]}" in text
+    command = "python -m iterserve.loadtests.studies.router_tournament.tournament_seeds"
+    assert f"`{command} {paths[0]} {paths[1]}" in text
     assert text.strip().endswith(capsys.readouterr().out.strip())
     row = next(line for line in text.splitlines() if line.startswith("| diurnal"))
     assert "1.300 (sglang): MISS p99" in row and "1.250 (sglang): MISS p99" in row
@@ -75,7 +76,7 @@ def test_table_rows_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_another_seed_runs_at_the_capacities_a_store_probed(tmp_path: Path) -> None:
-    from iterserve.loadtests.tournament import main as tournament_main
+    from iterserve.loadtests.studies.router_tournament.tournament import main as tournament_main
 
     source = tmp_path / "probed.json"
     source.write_text(json.dumps({"cells": {}, "capacity": {'["diurnal", null]': 5.0}}))

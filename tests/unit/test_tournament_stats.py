@@ -4,7 +4,7 @@ import random
 
 import numpy as np
 
-from iterserve.loadtests.tournament_stats import (
+from iterserve.loadtests.studies.router_tournament.tournament_stats import (
     Interval,
     best_of,
     bootstrap_mean_rate,

@@ -10,24 +10,29 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.autoscale.cluster_sim import simulate
-from iterserve.autoscale.cluster_sim_types import ClusterSimConfig, SimRequest
-from iterserve.loadtests import tournament as tournament_module
-from iterserve.loadtests.cluster_trace import (
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.shapes import make
+from iterserve.autoscale.sim.traces import (
     read_trace,
     read_trace_turns,
     speed_up,
     trace_digest,
     write_trace,
 )
-from iterserve.loadtests.cluster_workloads import make
-from iterserve.loadtests.ray_trace import FIRST_PROMPT_ID, Vocabulary, trace_specs
-from iterserve.loadtests.routing_experiment import ENGINE_KWARGS
-from iterserve.loadtests.sim_harness import RequestSpec, request_seed
-from iterserve.loadtests.sim_validation import workload_of
-from iterserve.loadtests.tournament import main as tournament
-from iterserve.loadtests.tournament import trace_cells
-from iterserve.loadtests.tournament_cells import ROUTERS, probe_capacity, probe_trace_capacity
+from iterserve.autoscale.sim.workload import WorkloadRequest
+from iterserve.loadtests.studies.ray_harness import request_seed
+from iterserve.loadtests.studies.ray_routing.ray_trace import FIRST_PROMPT_ID, Vocabulary, trace_specs
+from iterserve.loadtests.studies.ray_routing.routing_experiment import ENGINE_KWARGS
+from iterserve.loadtests.studies.router_tournament import tournament as tournament_module
+from iterserve.loadtests.studies.router_tournament.tournament import main as tournament
+from iterserve.loadtests.studies.router_tournament.tournament import trace_cells
+from iterserve.loadtests.studies.router_tournament.tournament_cells import (
+    ROUTERS,
+    probe_capacity,
+    probe_trace_capacity,
+)
+from iterserve.loadtests.studies.sim_validation.sim_validation import workload_of
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.sampling_params import SamplingParams
@@ -80,7 +85,7 @@ def test_hash_ids_that_do_not_extend_the_previous_turn_break_the_chain(tmp_path:
     assert first.prompt_token_ids.private
 
 
-def _figures(requests: list[SimRequest], router: str) -> dict:
+def _figures(requests: list[WorkloadRequest], router: str) -> dict:
     config = ClusterSimConfig(seed=0)
     result = simulate(requests, [ROUTERS[router]() for _ in range(2)], 4, config)
     return {"prefix_hit_rate": result.prefix_hit_rate, "finished": result.num_finished,
@@ -164,7 +169,7 @@ def _chat_trace(tmp_path: Path) -> Path:
     ])
 
 
-def _generate(engine: LLMEngine, spec: RequestSpec) -> tuple[list[int], int]:
+def _generate(engine: LLMEngine, spec: WorkloadRequest) -> tuple[list[int], int]:
     params = SamplingParams(max_tokens=spec.max_tokens, seed=request_seed(spec.request_id),
                             ignore_eos=True)
     engine.add_request(spec.prompt_token_ids, params, spec.request_id)
@@ -185,7 +190,7 @@ def test_ray_replay_next_turn_holds_the_answer_the_engine_generates(tmp_path: Pa
     assert parents == [None, None, 0]
     vocabulary = Vocabulary.of_engine(kwargs)
     specs = trace_specs(requests, parents, vocabulary, time_scale=5.0, speed=2.0)
-    assert [s.send_at for s in specs] == pytest.approx([0.0, 1.0, 7.5])
+    assert [s.arrival_time for s in specs] == pytest.approx([0.0, 1.0, 7.5])
     assert all(FIRST_PROMPT_ID <= t < vocabulary.size for s in specs
                for t in s.prompt_token_ids)
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
@@ -213,7 +218,7 @@ def test_trace_loads_offer_that_fraction_of_the_probed_capacity(
         monkeypatch: pytest.MonkeyPatch) -> None:
     probed: list[int] = []
 
-    def probe(requests: list[SimRequest], max_model_len: int | None = None) -> float:
+    def probe(requests: list[WorkloadRequest], max_model_len: int | None = None) -> float:
         probed.append(len(requests))
         return 3.0
 

@@ -7,7 +7,10 @@ import statistics
 
 import pytest
 
-from iterserve.loadtests import workload as w
+from iterserve.autoscale.sim import arrivals
+from iterserve.autoscale.sim import workload as w
+from iterserve.loadtests import workload as workload_cli
+from iterserve.loadtests.streaming import completion_body
 
 
 def test_the_same_seed_gives_the_same_requests() -> None:
@@ -26,11 +29,11 @@ def test_default_lengths_follow_buckets_weights_and_caps() -> None:
     requests = w.make_workload(600, seed=0, vocab_size=4096)
     spans = {b.name: (b.low, b.high) for b in w.DEFAULT_PROMPT_BUCKETS}
     for request in requests:
-        low, high = spans[request.bucket]
-        assert low <= request.prompt_len <= high
+        low, high = spans[request.kind]
+        assert low <= len(request.prompt_token_ids) <= high
         assert 8 <= request.max_tokens <= 512
         assert all(16 <= t < 4096 for t in request.prompt_token_ids[:8])
-    share = {name: sum(r.bucket == name for r in requests) / len(requests) for name in spans}
+    share = {name: sum(r.kind == name for r in requests) / len(requests) for name in spans}
     assert share["short"] == pytest.approx(0.5, abs=0.06)
     assert share["long"] == pytest.approx(0.2, abs=0.05)  # 3 sigma at n=600
     assert statistics.mean(r.max_tokens for r in requests) == pytest.approx(128, rel=0.15)
@@ -61,25 +64,25 @@ def test_requests_that_cannot_fit_the_model_are_refused() -> None:
 
 def test_completion_body_asks_for_exact_lengths() -> None:
     request = w.make_workload(1, seed=0)[0]
-    body = request.completion_body("tiny")
+    body = completion_body(request, "tiny")
     assert body["prompt"] == request.prompt_token_ids and body["ignore_eos"] is True
     assert body["max_tokens"] == body["min_tokens"] == request.max_tokens
     assert body["stream_options"] == {"include_usage": True}
-    assert "stream_options" not in request.completion_body("tiny", stream=False)
+    assert "stream_options" not in completion_body(request, "tiny", stream=False)
 
 
 def test_arrival_offsets_are_seeded_and_match_the_rate() -> None:
-    offsets = w.arrival_offsets(4000, rate=20.0, seed=3)
-    assert offsets == w.arrival_offsets(4000, rate=20.0, seed=3)
+    offsets = arrivals.arrival_offsets(4000, rate=20.0, seed=3)
+    assert offsets == arrivals.arrival_offsets(4000, rate=20.0, seed=3)
     assert offsets[0] == 0.0 and offsets == sorted(offsets)
     assert offsets[-1] / len(offsets) == pytest.approx(1 / 20.0, rel=0.1)
-    assert w.arrival_offsets(3, rate=float("inf")) == [0.0, 0.0, 0.0]
+    assert arrivals.arrival_offsets(3, rate=float("inf")) == [0.0, 0.0, 0.0]
 
 
 def test_the_cli_prints_the_same_requests_as_the_library(capsys) -> None:
     import json
 
-    assert w.main(["--num-requests", "3", "--seed", "5"]) == 0
+    assert workload_cli.main(["--num-requests", "3", "--seed", "5"]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     expected = w.make_workload(3, seed=5)
     assert [row["prompt_token_ids"] for row in printed] == [r.prompt_token_ids for r in expected]
