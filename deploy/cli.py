@@ -7,10 +7,10 @@ chosen, so `iterserve --help` is instant and one broken subcommand cannot break 
 Adding a subcommand (two ways, pick one):
 
 1. Add a line to `SUBCOMMANDS` below: name -> (module path, function name, one-line help).
-       "bench": ("iterserve.loadtests.cli", "main", "run the static-vs-continuous benchmark"),
+       "bench": ("iterserve.loadtests.bench", "main", "run the static-vs-continuous benchmark"),
 2. Or, without touching this file, declare an entry point in pyproject.toml:
        [project.entry-points."iterserve.commands"]
-       bench = "iterserve.loadtests.cli:main"
+       bench = "iterserve.loadtests.bench:main"
    (its help line is the function's docstring's first line).
 
 Nested commands (`iterserve dashboards push`) are the subcommand's own business: register
