@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.planner import Slo, plan
 from iterserve.autoscale.sim.prompts import SyntheticPrompt
 from iterserve.autoscale.sim.shapes import WORKLOADS, make
 from iterserve.autoscale.sim.traces import read_trace, trace_rows, write_trace
 from iterserve.loadtests.cost_model_probe import timed_runner
-from iterserve.loadtests.plan import Slo, main, plan
+from iterserve.loadtests.plan import main
 from iterserve.replica.outputs import ScheduledRequest, SchedulerOutput
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
