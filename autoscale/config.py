@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RouterConfig(BaseModel):
-    """How `rank_replicas` orders replicas. See autoscale/README_SECTION.md for the table."""
+    """How the KV-aware router orders replicas (router_policy.py's docstring has the score;
+    the README's "RouterConfig" section, the table of these fields)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
@@ -73,7 +74,7 @@ class RouterConfig(BaseModel):
         description="Add the prefill work a replica faces before this request's first "
         "token to its score: prompt tokens of requests routed since its last stats, plus "
         "this prompt's tokens the replica does not hold in its prefix cache (when the "
-        "caller knows the replica's cache: `cached_tokens` of rank_replicas).",
+        "caller knows the replica's cache: its cache report).",
     )
     prefill_tokens_per_waiting: float = Field(
         512.0, gt=0.0,

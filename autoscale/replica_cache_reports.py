@@ -20,7 +20,7 @@ from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
-from iterserve.replica.block_keys import block_tokens
+from iterserve.replica.block_keys import block_tokens, num_cacheable_blocks
 
 
 class ParsedLoads:
@@ -67,7 +67,7 @@ def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable
         for replica_id, _ in holders:
             hits[replica_id] = 0
         parent = ROOT
-        for i in range((len(token_ids) - 1) // size):  # the last token is always computed
+        for i in range(num_cacheable_blocks(len(token_ids), size)):
             parent = stable_block_hash(parent, block_tokens(token_ids[i * size:(i + 1) * size]))
             holders = [(rid, cached) for rid, cached in holders if parent in cached]
             if not holders:

@@ -1,4 +1,4 @@
-"""`KVAwareRouter`: the thin Ray Serve 2.60 adapter around `router_policy.rank_replicas`.
+"""`KVAwareRouter`: the thin Ray Serve 2.60 adapter around `KVRouterCore` (router_state.py).
 
 Attach it to the replica deployment (not to an HTTP ingress, whose router sees ASGI plumbing):
 

@@ -1,5 +1,5 @@
 """What one router knows about its requests in flight: `InFlightTracker` and the
-`Correction` it gives `rank_replicas` per replica (plain data; times are passed in)."""
+`Correction` it gives the router's score per replica (plain data; times are passed in)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What one router remembers of the prefill work it sent each replica (plain data, no clock:
 times are passed in): prefill tokens sent, decayed exponentially, the long-run balance that
 Ray's and SGLang's "smallest tree" rule keeps (forgetting slowly). It sees only this
-router's own sends; `rank_replicas` weighs it in (`routed_work`).
+router's own sends; the router's score weighs it in (router_policy: `sent`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The state and calls of iterserve's router, shared by the Ray adapter and the simulator.
 
 `KVRouterCore` owns one router's prefix-affinity table, in-flight tracker and routed-work
-meter, and ranks with them: `rank_replicas`'s decision, computed by its `ScoreTable`
+meter, and ranks with them: router_policy's score, computed by its `ScoreTable`
 (per-replica terms kept between requests; `router_table`). `autoscale/router.py` (Ray
 Serve's `RequestRouter`) and `autoscale/sim/iterserve_router.py` (the `RoutingPolicy` the
 cluster simulator and the tournament run) both delegate to it, so both run the same code on
@@ -55,8 +55,8 @@ class KVRouterCore(Generic[R]):
              key: int | None, num_tokens: int, now: float, prompt_tokens: int = 0,
              cached_tokens: Mapping[R, int] | None = None,
              corrections: Sequence[Correction | None] | None = None) -> list[R]:
-        """Candidates best first: `rank_replicas` with this router's state (computed by its
-        `ScoreTable`: same order). loads[i]: candidates[i]'s last stats (None: none yet).
+        """Candidates best first by router_policy's score with this router's state (computed
+        by its `ScoreTable`). loads[i]: candidates[i]'s last stats (None: none yet).
         cached_tokens: the replicas' own prefix-cache answers for this prompt (missing: 0),
         if known. corrections[i]: candidates[i]'s in-flight correction from elsewhere
         (None: this router's tracker)."""

@@ -1,8 +1,8 @@
-"""`rank_replicas`'s decision from per-replica terms kept between requests (numpy arrays).
+"""The router's decision (router_policy's score) from per-replica terms kept between requests.
 
-At 64-256 replicas a router scores every replica for every request, and the pure-Python
-reference (`router_policy.score_replicas` / `rank_replicas`) spends most of that on terms
-that did not change since the previous request: a replica's effective load depends only on
+At 64-256 replicas a router scores every replica for every request, and scoring them one
+at a time in Python (as the readable oracle, tests/router_oracle.py, does) spends most of
+that on terms that did not change since the previous request: a replica's effective load depends only on
 its last stats and this router's in-flight correction for it, and across the whole cluster
 only a few of those change between two requests. `ScoreTable` keeps those terms per replica
 (a row of one float matrix), recomputes a row only when the replica's stats object or its
@@ -11,14 +11,15 @@ KV share, its uncached prefill, the routed-work balance) as array arithmetic ove
 candidates' rows.
 
 Same decision, bit for bit: every float is computed by the same IEEE operations in the same
-order as `score_replicas` (numpy's elementwise +, -, *, / and comparisons are exactly
-Python's; the routed-work decay, a `pow`, stays Python's own, see `RoutedWorkMeter.values`),
-the order is (tier, score, candidate position) as `rank_replicas` sorts, and the cache /
-prefix affinity rules are `cache_affinity_first`'s and `rank_replicas`'s. One reading is
+order as the oracle's `score_replicas` (numpy's elementwise +, -, *, / and comparisons are
+exactly Python's; the routed-work decay, a `pow`, stays Python's own, see
+`RoutedWorkMeter.values`), the order is (tier, score, candidate position) as its
+`rank_replicas` sorts, and the cache / prefix affinity rules are those of router_policy's
+docstring (the oracle's `cache_affinity_first` and `rank_replicas`). One reading is
 fixed here: `cached_tokens` answers for every candidate (missing: 0), as both callers build
 it, so "the pending replica is among the answers" is "it is a candidate".
-tests/unit/test_router_table.py checks rank() and best() against rank_replicas on random
-situations.
+tests/unit/test_router_table.py checks rank() and best() against the oracle's rank_replicas
+on random situations.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class ScoreTable(Generic[R]):
     def score(self, ix: np.ndarray, now: float | None, request_tokens: int,
               prompt_tokens: int, hits: np.ndarray | None, work: Sequence[float] | None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tier, score, balance) per candidate, as score_replicas computes them.
+        """(tier, score, balance) per candidate, as router_policy's docstring defines them.
         hits: cached prompt tokens per candidate (None: unknown); work: the routed-work
         meter's value per candidate (None: the meter is empty)."""
         config = self.config
@@ -271,7 +272,7 @@ class ScoreTable(Generic[R]):
     def decide(self, candidates: Sequence[R], rows: Sequence[int], now: float | None,
                request_tokens: int, prompt_tokens: int, cached_tokens: Mapping[R, int] | None,
                work: Sequence[float] | None, pending: R | None, full: bool) -> list[R]:
-        """rank_replicas's answer (full: every candidate, best first; else only the best).
+        """The ranking (full: every candidate, best first; else only the best).
         cached_tokens: every candidate's prefix-cache answer (missing: 0), or None;
         pending: the affinity table's replica for this prompt's key (None: none)."""
         if not candidates:
@@ -299,7 +300,7 @@ class ScoreTable(Generic[R]):
         """The candidate that affinity moves to the front, if any (its position); order:
         as `_first_min`'s."""
         config = self.config
-        if hits is not None and config.score_prefill_work:  # cache_affinity_first
+        if hits is not None and config.score_prefill_work:  # cache affinity over the replicas' answers
             if prompt_tokens <= 0 or config.cache_affinity_threshold > 1.0:
                 return None
             best_hit = int(hits.max())

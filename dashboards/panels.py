@@ -157,11 +157,3 @@ FLEET = Row("Fleet: replicas, router, autoscaler, GPUs", (
 
 ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET)
 
-
-def all_targets() -> list[tuple[Panel, Target]]:
-    return [(panel, target) for row in ROWS for panel in row.panels for target in panel.targets]
-
-
-def render_query(expr: str, model_name: str = ".*", rate_interval: str = "1m") -> str:
-    """Substitute Grafana's variables, to run a panel query against Prometheus directly."""
-    return expr.replace("$__rate_interval", rate_interval).replace("$model_name", model_name)

@@ -36,17 +36,6 @@ def write_kv_cache(
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def gather_context(
-    cache: torch.Tensor,  # [N, B, Hkv, D]
-    block_table: torch.Tensor,  # [M] int
-    context_len: int,
-) -> torch.Tensor:  # [context_len, Hkv, D]
-    """The first `context_len` cached tokens of one sequence, in order."""
-    block_size = cache.shape[1]
-    num_blocks = (context_len + block_size - 1) // block_size
-    return _gather_blocks(cache, block_table[:num_blocks].long(), context_len)
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
@@ -110,7 +99,7 @@ def paged_attention(
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
-    """gather_context with the sequence's blocks already cut from the table, as int64."""
+    """The first `context_len` cached tokens of one sequence, in order, from its blocks (int64)."""
     # index_select copies blocks about 3x faster than advanced indexing on CPU.
     return torch.index_select(cache, 0, blocks).view(-1, *cache.shape[2:])[:context_len]
 

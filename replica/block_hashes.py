@@ -24,9 +24,8 @@ hot paths pay one `is None` test per block.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 
-from iterserve.replica.block_keys import ROOT_HASH, BlockHash, BlockTokens, block_tokens
+from iterserve.replica.block_keys import ROOT_HASH, BlockHash, BlockTokens
 
 ROOT = 0  # the chain's parent before the first block
 # A report holds at most this many hashes (8 bytes each on the wire, every routing-stats
@@ -40,29 +39,6 @@ def stable_block_hash(parent: int, tokens: BlockTokens) -> int:
     digest = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
     digest.update(tokens if isinstance(tokens, bytes) else _TUPLE_FORM + repr(tokens).encode())
     return int.from_bytes(digest.digest(), "little")
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chain hashes of the prompt's blocks a prefix cache could hit: its full blocks
-    but the one holding its last token (a hit always leaves one token to compute, as
-    `BlockManager.find_cached_prefix` does)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes: list[int] = []
-    parent = ROOT
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = stable_block_hash(parent, block_tokens(
-            token_ids[i * block_size : (i + 1) * block_size]))
-        hashes.append(parent)
-    return hashes
-
-
-def leading_run(chain: Sequence[int], cached: frozenset[int] | set[int]) -> int:
-    """How many leading hashes of `chain` are in `cached`: the blocks a lookup would hit."""
-    for n, block_hash in enumerate(chain):
-        if block_hash not in cached:
-            return n
-    return len(chain)
 
 
 class BlockHashIndex:

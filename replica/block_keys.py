@@ -34,3 +34,12 @@ def block_hash(parent: BlockHash, tokens: BlockTokens) -> BlockHash:
     key (PYTHONHASHSEED), so these hashes mean nothing in another process (a router there
     uses replica/block_hashes.py's stable ones); 64 bits, like vLLM's builtin block hash."""
     return hash((parent, tokens))
+
+
+def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a sequence of num_tokens a prefix-cache lookup may
+    hit: every full block but one holding its last token, which is always computed so that
+    the request samples. The one statement of this rule: the block manager's lookup, the
+    stable hashes a replica reports, the router's reading of those reports and the
+    simulator's prompt keys all call it."""
+    return (num_tokens - 1) // block_size

@@ -23,8 +23,8 @@ from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
     BlockTokens,
-    block_hash,
     block_tokens,
+    num_cacheable_blocks,
 )
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.request import Request
@@ -58,8 +58,6 @@ class BlockManager:
         self.block_tables: dict[str, BlockTable] = {}
         # Per request: how many leading blocks are registered, and the hash chain so far.
         self.num_registered: dict[str, tuple[int, int]] = {}
-        # Per request: the first block no other request can look up (`mark_private`).
-        self.private_from: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there
         # Told of every hash that joins or leaves cached_blocks (`stored` / `evicted`): the
@@ -104,10 +102,7 @@ class BlockManager:
                 or request.wants_prompt_logprobs):
             return []
         size = self.block_size
-        max_blocks = (request.num_tokens - 1) // size
-        private = self.private_from.get(request.request_id)
-        if private is not None and private < max_blocks and not request.num_preemptions:
-            max_blocks = private  # nothing past it is cached before it registers its own
+        max_blocks = self._max_hit_blocks(request)
         packed = request.prompt_token_bytes
         if packed is None or max_blocks * size * 8 > len(packed):
             packed, tokens = None, request.all_token_ids
@@ -124,15 +119,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def mark_private(self, request_id: str, first_block: int) -> None:
-        """No other request's prompt holds this request's tokens from its block first_block
-        on (a simulator's own tokens: `SyntheticPrompt.private`), so only the request itself,
-        readmitted after a preemption, can look those blocks up. They are not hashed as they
-        fill: when it finishes, the filled ones go back to the free pool where registered
-        blocks go (the same reuse order), and only a preemption hashes and registers them
-        (its readmission may find them). Same hits, same blocks reused: the cluster
-        simulator's results are byte-identical with it (tests/unit/test_cluster_sim.py)."""
-        self.private_from[request_id] = first_block
+    def _max_hit_blocks(self, request: Request) -> int:
+        """How many leading blocks of the request a prefix lookup may hit."""
+        return num_cacheable_blocks(request.num_tokens, self.block_size)
 
     def _register_full_blocks(self, request: Request, num_computed_tokens: int,
                               last: int | None = None) -> None:
@@ -176,61 +165,6 @@ class BlockManager:
             parent = key
         self.num_registered[request.request_id] = (end, parent)
 
-    def register_next_block(self, request: Request, tokens: Sequence[int] | BlockTokens
-                            ) -> bool:
-        """`mark_computed` for a request whose computed tokens just filled exactly one more
-        block, whose tokens the caller knows (a simulator's decode: no token list to slice).
-        False (nothing done) where that is not the case: call mark_computed instead."""
-        rid = request.request_id
-        table = self.block_tables.get(rid)
-        if not self.enable_prefix_caching or table is None:
-            return True  # mark_computed would do nothing either
-        start, parent = self.num_registered.get(rid, (0, ROOT_HASH))
-        end = min(request.num_computed_tokens // self.block_size, len(table))
-        if end != start + 1:
-            return False
-        chunk = tokens if isinstance(tokens, bytes) else block_tokens(tokens)
-        key = block_hash(parent, chunk)
-        block_id = table[start]
-        if self.block_keys[block_id] is None \
-                and self.cached_blocks.setdefault(key, block_id) == block_id:
-            self.block_keys[block_id] = key
-            if self.cache_listener is not None:
-                self.cache_listener.stored(key, parent, chunk)
-        self.num_registered[rid] = (end, key)
-        return True
-
-    def register_output_blocks(self, requests: Sequence[Request], runs: Sequence[BlockTokens],
-                               start: int = 0) -> int:
-        """`register_next_block(requests[i], runs[i])` for i = start, start + 1, ... in order
-        (a simulator's decodes that completed a block in the same step; runs[i] in
-        `block_tokens` form), stopping at the first it declines: returns that i
-        (len(requests): none declined)."""
-        tables, registered = self.block_tables, self.num_registered
-        cached, keys, block_size = self.cached_blocks, self.block_keys, self.block_size
-        if not self.enable_prefix_caching:
-            return len(requests)
-        for i in range(start, len(requests)):
-            request = requests[i]
-            rid = request.request_id
-            table = tables.get(rid)
-            if table is None:
-                continue
-            first, parent = registered.get(rid, (0, ROOT_HASH))
-            end = min(request.num_computed_tokens // block_size, len(table))
-            if end != first + 1:
-                return i
-            run = runs[i]
-            chunk = run if isinstance(run, bytes) else block_tokens(run)
-            key = hash((parent, chunk))
-            block_id = table[first]
-            if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
-                keys[block_id] = key
-                if self.cache_listener is not None:
-                    self.cache_listener.stored(key, parent, chunk)
-            registered[rid] = (end, key)
-        return len(requests)
-
     @staticmethod
     def _token_range(request: Request, lo: int, hi: int) -> list[int]:
         """Tokens [lo, hi) of the request, without building all_token_ids (a copy of the
@@ -254,8 +188,7 @@ class BlockManager:
         if self.enable_prefix_caching and request.request_id in self.block_tables:
             if num_computed_tokens is None:
                 num_computed_tokens = request.num_computed_tokens
-            self._register_full_blocks(request, num_computed_tokens,
-                                       self.private_from.get(request.request_id))
+            self._register_full_blocks(request, num_computed_tokens)
 
     # ------------------------------------------------------------------------- allocation
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
@@ -318,17 +251,6 @@ class BlockManager:
         if needed > 0:
             table.extend(self._take_free(needed))
 
-    def append_blocks(self, request_ids: Sequence[str]) -> None:
-        """One more block each for these requests, in order: what `allocate(request, n)`
-        does for a running request whose n new tokens pass its last block by exactly one
-        (a simulator's decodes crossing a block boundary in the same step). Raises
-        RuntimeError, taking nothing, if fewer blocks are free."""
-        if len(request_ids) > self.free_pool.num_free:
-            raise RuntimeError("out of KV blocks for the requests' next blocks")
-        tables = self.block_tables
-        for rid, block_id in zip(request_ids, self._take_free(len(request_ids)), strict=True):
-            tables[rid].append(block_id)
-
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
@@ -336,50 +258,22 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; cached ones stay findable until reused."""
         rid = request.request_id
-        private = self.private_from.get(rid)
-        if private is not None and not request.is_finished:
-            if rid in self.block_tables:  # preempted: readmitted, it may look them up
-                self._register_full_blocks(request, request.num_computed_tokens)
-            private = None  # it stays marked for its next run
-        elif private is not None:
-            del self.private_from[rid]
         table = self.block_tables.pop(rid, ())
         self.num_registered.pop(rid, None)
-        # Free the tail first so that a chain's later blocks are evicted before its head.
+        self.free_pool.release(*self._unreference(table, [], []))
+
+    def _unreference(self, table: Sequence[int], uncached: list[int], cached: list[int]
+                     ) -> tuple[list[int], list[int]]:
+        """Drop one reference to each block of the table, the tail first (so that a chain's
+        later blocks are evicted before its head): (uncached, cached) with the blocks no
+        table holds any more appended, each in the order let go."""
         refs, keys = self.ref_counts, self.block_keys
-        uncached: list[int] = []
-        cached: list[int] = []
-        if private is not None and len(table) > private:
-            uncached, cached = self._free_private_tail(table, private,
-                                                       request.num_computed_tokens)
-            table = table[:private]
-        # Its own full blocks never hashed (newest first, before any hashed at a preemption):
-        # nothing can find them, so any of them may stand in for another (FreeBlockPool).
-        num_anonymous = 0
-        for block_id in cached:
-            if keys[block_id] is not None:
-                break
-            num_anonymous += 1
         for block_id in reversed(table):
             left = refs[block_id] - 1
             refs[block_id] = left
             if left == 0:
                 (uncached if keys[block_id] is None else cached).append(block_id)
-        self.free_pool.release(uncached, cached, num_anonymous)
-
-    def _free_private_tail(self, table: BlockTable, private: int, num_computed_tokens: int
-                           ) -> tuple[list[int], list[int]]:
-        """(uncached, cached) of free()'s loop over a finished private request's blocks from
-        `private` on: it alone held them; the filled ones are (or would have been)
-        registered, so they go where cached blocks go, the tail first."""
-        tail = table[private:].tolist()
-        refs = self.ref_counts
-        for block_id in tail:
-            refs[block_id] = 0
-        tail.reverse()
-        filled = min(num_computed_tokens // self.block_size, len(table)) - private
-        num_unfilled = len(tail) - max(filled, 0)
-        return tail[:num_unfilled], tail[num_unfilled:]
+        return uncached, cached
 
     def _take_free(self, count: int) -> list[int]:
         """The first `count` free blocks in reuse order, taken for new tokens: a block that

@@ -219,11 +219,6 @@ class EngineConfig:
                 and self.scheduler.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None)
 
-    def with_scheduler(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))
-
-    def with_cache(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
 
 
 @dataclass(frozen=True)

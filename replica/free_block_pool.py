@@ -6,13 +6,6 @@ prefix cache evicts its least recently used entries. A cached free block can als
 from the middle (a prefix hit takes it back): it is only marked, and skipped when it
 reaches the front.
 
-Anonymous blocks (`release(..., num_anonymous)`) are full blocks that no request can ever
-find (a simulated private prompt's own blocks, never hashed: `BlockManager.mark_private`).
-They take a cached block's place in the reuse order, but which of them fills that place
-makes no difference (none holds anything findable), so the queue holds a marker and the
-block comes from a stack of them, the most recently freed first: its memory is still warm,
-where the least recently freed one's (the whole pool cycled through in order) is not.
-
 The state is flat per block id (a list, a deque of ints, a bytearray), not an object and a
 linked-list node per block: an engine holds 10^4-10^5 blocks, the cluster simulator 10^6
 across its replicas, and cache churn scatters the order they are touched in (per-object
@@ -22,12 +15,10 @@ Invariant (`check`): num_free == the number of block ids b with is_free(b).
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Sequence
 
 _COMPACT_SLACK = 1024  # stale entries tolerated beyond the live ones before a rebuild
-_ANONYMOUS = -1  # an entry of _cached that any anonymous free block fills
 
 
 class FreeBlockPool:
@@ -35,7 +26,6 @@ class FreeBlockPool:
         self._uncached = list(range(num_blocks - 1, -1, -1))  # a stack: its end is the front
         self._cached: deque[int] = deque()  # block ids in the order freed, some stale
         self._entries = [0] * num_blocks  # per block: how many times it is in _cached
-        self._anonymous: list[int] = []  # free anonymous blocks, a stack
         self._free = bytearray(b"\x01") * num_blocks
         self._num_cached = 0  # live entries of _cached
         self.num_free = num_blocks
@@ -43,11 +33,13 @@ class FreeBlockPool:
     def is_free(self, block_id: int) -> bool:
         return self._free[block_id] == 1
 
-    def release(self, uncached: Sequence[int], cached: Sequence[int], num_anonymous: int = 0
-                ) -> None:
+    def release(self, uncached: Sequence[int], cached: Sequence[int]) -> None:
         """Blocks their last holder let go of, each list in the order let go: the uncached
-        ones go to the front (the last one first), the cached ones to the back. The first
-        num_anonymous cached ones are anonymous (module docstring)."""
+        ones go to the front (the last one first), the cached ones to the back."""
+        self._mark_free(uncached, cached)
+        self._queue_cached(cached)
+
+    def _mark_free(self, uncached: Sequence[int], cached: Sequence[int]) -> None:
         free = self._free
         for block_id in uncached:
             free[block_id] = 1
@@ -55,17 +47,13 @@ class FreeBlockPool:
             free[block_id] = 1
         self._uncached.extend(uncached)
         self.num_free += len(uncached) + len(cached)
-        if cached:
-            self._num_cached += len(cached)
-            registered = cached
-            if num_anonymous:
-                self._anonymous.extend(cached[:num_anonymous])
-                self._cached.extend(itertools.repeat(_ANONYMOUS, num_anonymous))
-                registered = cached[num_anonymous:]
-            entries = self._entries
-            for block_id in registered:
-                entries[block_id] += 1
-            self._cached.extend(registered)
+        self._num_cached += len(cached)
+
+    def _queue_cached(self, cached: Sequence[int]) -> None:
+        entries = self._entries
+        for block_id in cached:
+            entries[block_id] += 1
+        self._cached.extend(cached)
 
     def take(self, count: int) -> list[int]:
         """The first `count` blocks in reuse order, no longer free. Raises RuntimeError,
@@ -78,22 +66,23 @@ class FreeBlockPool:
         taken.reverse()
         del stack[len(stack) - k:]
         if k < count:
-            pop, entries, free = self._cached.popleft, self._entries, self._free
-            while len(taken) < count:
-                block_id = pop()
-                if block_id == _ANONYMOUS:
-                    taken.append(self._anonymous.pop())
-                    continue
-                left = entries[block_id] - 1
-                entries[block_id] = left
-                if left == 0 and free[block_id]:  # its latest entry, and still free
-                    taken.append(block_id)
+            self._take_cached(taken, count)
             self._num_cached -= count - k
         free = self._free
         for block_id in taken:
             free[block_id] = 0
         self.num_free -= count
         return taken
+
+    def _take_cached(self, taken: list[int], count: int) -> None:
+        """Append to `taken`, up to `count`, the free cached blocks from the queue's front."""
+        pop, entries, free = self._cached.popleft, self._entries, self._free
+        while len(taken) < count:
+            block_id = pop()
+            left = entries[block_id] - 1
+            entries[block_id] = left
+            if left == 0 and free[block_id]:  # its latest entry, and still free
+                taken.append(block_id)
 
     def remove(self, block_id: int) -> None:
         """A cached free block taken back from wherever it is (a prefix hit)."""
@@ -110,35 +99,23 @@ class FreeBlockPool:
         entries, free = self._entries, self._free
         kept: deque[int] = deque()
         for block_id in self._cached:
-            if block_id == _ANONYMOUS:
-                kept.append(block_id)
-                continue
             left = entries[block_id] - 1
             entries[block_id] = left
             if left == 0 and free[block_id]:
                 kept.append(block_id)
         for block_id in kept:
-            if block_id != _ANONYMOUS:
-                entries[block_id] = 1
+            entries[block_id] = 1
         self._cached = kept
 
     def in_reuse_order(self) -> list[int]:
         """Every free block id, the next one taken first."""
         order = self._uncached[::-1]
         remaining = list(self._entries)
-        anonymous = list(self._anonymous)
         for block_id in self._cached:
-            if block_id == _ANONYMOUS:
-                order.append(anonymous.pop())
-                continue
             remaining[block_id] -= 1
             if remaining[block_id] == 0 and self._free[block_id]:
                 order.append(block_id)
         return order
-
-    def anonymous_blocks(self) -> frozenset[int]:
-        """The free anonymous blocks (whichever of them is reused is the pool's choice)."""
-        return frozenset(self._anonymous)
 
     def check(self) -> None:
         """Raise RuntimeError if the pool's own accounting is inconsistent."""

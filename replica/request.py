@@ -131,11 +131,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
-    def token_id_at(self, position: int) -> int:
-        if position < self.num_prompt_tokens:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - self.num_prompt_tokens]
-
     # ------------------------------------------------------------------ prompt logprobs
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -58,7 +58,7 @@ class ClusterSimConfig:
     startup_delay_s: float = 30.0
     seed: int = 0
     fast_forward: bool = True
-    lazy_private_blocks: bool = True  # see BlockManager.mark_private (same results)
+    lazy_private_blocks: bool = True  # see SimBlockManager.mark_private (same results)
     max_virtual_s: float = math.inf  # stop even if requests are unfinished (recorded as such)
     # --- Ray path latency outside the replicas (see the docstring) ---
     dispatch_latency_s: float = 0.0

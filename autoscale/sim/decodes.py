@@ -23,8 +23,8 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.replica.block_keys import BlockTokens, block_tokens
-from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 
 
@@ -48,7 +48,7 @@ class Decoder:
 
 
 class DecodeCohort:
-    def __init__(self, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, block_manager: SimBlockManager, max_model_len: int) -> None:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.members: dict[str, Decoder] = {}

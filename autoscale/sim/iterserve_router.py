@@ -1,7 +1,7 @@
 """iterserve's router as a `RoutingPolicy`: the simulator's and the tournament's entry point.
 
 It calls `KVRouterCore` (affinity table, in-flight tracker, routed-work meter,
-`rank_replicas`) exactly as the Ray adapter `KVAwareRouter` does: shuffle the candidates
+`ScoreTable`) exactly as the Ray adapter `KVAwareRouter` does: shuffle the candidates
 (independent routers must not break ties towards the same replica), rank on the replicas'
 last reported loads corrected by the requests in flight, take the first (`best`: the first
 of `rank` without ordering the rest); record the route;

@@ -1,26 +1,23 @@
 """Inter-token gaps of a cluster simulation: a histogram of every gap, and per request its
 longest gap and its p99 gap, for the millions of gaps a run makes.
 
-`request_itl` and `count_gaps` are the definitions (one request at a time, plain Python).
-`ItlCounter` computes the same values a batch of requests at a time: each finished
+`ItlCounter` computes them a batch of requests at a time: each finished
 request's token times are appended to one float buffer (C-speed), and a full buffer is
 turned into gaps, bins, maxima and p99s by a fixed number of numpy passes over the whole
 batch instead of a dozen numpy calls per request (the per-request calls cost ~7 % of a
 64-replica run). Same IEEE operations on the same values, so the same floats:
-tests/unit/test_cluster_sim_itl.py checks equality with the definitions.
+tests/unit/test_cluster_sim_itl.py checks equality with the definitions (one request at a
+time, plain Python), which live there.
 """
 
 from __future__ import annotations
 
 import collections
-import operator
 from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-
-from iterserve.autoscale.percentile import percentile
 
 ITL_RESOLUTION_S = 1e-4  # inter-token gaps are counted in 0.1 ms bins
 ITL_BINS_PER_S = 1e4
@@ -31,26 +28,6 @@ class ItlRecord(Protocol):
 
     itl_max: float
     itl_p99: float
-
-
-def request_itl(token_times: Sequence[float]) -> tuple[list[float], float, float]:
-    """(gaps, max gap, p99 gap) of one request's token times."""
-    gaps = list(map(operator.sub, token_times[1:], token_times[:-1]))
-    if not gaps:
-        return gaps, 0.0, 0.0
-    return gaps, max(gaps), percentile(gaps, 99)
-
-
-def count_gaps(bins: collections.Counter, gaps: Sequence[float]) -> None:
-    """Add gaps to a Counter of ITL_RESOLUTION_S bin numbers (each gap counts at its bin's
-    lower edge; C-speed: a run holds millions of gaps). `itl_histogram` turns it into
-    {gap: count}."""
-    bins.update(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
-
-
-def itl_histogram(bins: collections.Counter) -> dict[float, int]:
-    """{bin's lower edge in seconds: count}, in the order the bins were first seen."""
-    return {b / ITL_BINS_PER_S: n for b, n in bins.items()}
 
 
 class ItlCounter:

@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from iterserve.autoscale.sim.prompts import SyntheticPrompt
-from iterserve.replica.block_keys import ROOT_HASH, BlockHash, block_hash, block_tokens
+from iterserve.replica.block_keys import (
+    ROOT_HASH,
+    BlockHash,
+    block_hash,
+    block_tokens,
+    num_cacheable_blocks,
+)
 
 
 class PromptBlockKeys:
@@ -39,7 +45,7 @@ class PromptBlockKeys:
         if token_ids is not self._prompt:
             self._prompt = token_ids
             self._keys = []
-            self._max_blocks = (len(token_ids) - 1) // self.block_size
+            self._max_blocks = num_cacheable_blocks(len(token_ids), self.block_size)
 
     def num_cached_blocks(self, token_ids: Sequence[int], cached: dict[BlockHash, int]) -> int:
         """How many leading full blocks of the prompt are in `cached` (a block manager's

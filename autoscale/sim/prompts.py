@@ -38,7 +38,7 @@ class SyntheticPrompt(Sequence):
     private: no other request's prompt holds any of its own tokens (not even inside
     another prompt's prefix, as a chat's next turn holds this one), so no other request can
     find its cache blocks from the first one holding an own token on: the simulated replica
-    hashes those blocks only if the request is preempted (`BlockManager.mark_private`).
+    hashes those blocks only if the request is preempted (`SimBlockManager.mark_private`).
     """
 
     __slots__ = ("prefix", "unique_start", "num_unique", "private")

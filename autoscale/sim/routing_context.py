@@ -1,10 +1,13 @@
 """The contract between routing / autoscaling policies and their callers.
 
-Callers: the Ray adapters (`autoscale/router.py`, `autoscale/autoscaling_policy.py`) and the cluster
-simulator. A routing policy sees one `RoutingContext` per request and names the replica it
-chooses; its state (round-robin cursor, prefix tree, affinity table) lives on the policy
-object and changes only through the `on_*` hooks, so the same object runs unchanged in Ray
-and in the simulator. Nothing here reads a clock, touches Ray or sleeps.
+Callers: the cluster simulator (`cluster.py`) and the studies that drive it. Implemented by
+iterserve's router (`iterserve_router.py`, which calls `KVRouterCore` as the Ray adapter
+`autoscale/router.py` does) and autoscaler (`policies.py`, over `decide`), and by the
+published baselines (`baseline_*.py`; `loadtests/studies/ray_routing/ray_routers.py` runs
+Ray's prefix router on Ray through it). A routing policy sees one `RoutingContext` per
+request and names the replica it chooses; its state (round-robin cursor, prefix tree,
+affinity table) lives on the policy object and changes only through the `on_*` hooks.
+Nothing here reads a clock, touches Ray or sleeps.
 
 Invariant: `choose` returns the `replica_id` of one of `ctx.replicas` (never empty).
 """

@@ -29,13 +29,13 @@ from array import array
 from collections.abc import Sequence
 
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.decodes import DecodeCohort, Decoder
 from iterserve.autoscale.sim.prefix import PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes, SyntheticPrompt
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.block_keys import BlockTokens
-from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.prefill_rate import PrefillRateMeter
@@ -83,7 +83,7 @@ class SimulatedReplica:
         self.replica_id = replica_id
         self.config = config
         self.cost: CostModel = config.sim.cost
-        self.block_manager = BlockManager(kv_blocks_for(config), config.block_size,
+        self.block_manager = SimBlockManager(kv_blocks_for(config), config.block_size,
                                           config.enable_prefix_caching)
         self.prompt_keys = prompt_keys or PromptBlockKeys(config.block_size)
         self.packed_prefixes = packed_prefixes or PackedPrefixes()

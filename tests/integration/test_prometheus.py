@@ -20,12 +20,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dashboard_queries
 import httpx
 import pytest
 import yaml
 
 from iterserve.autoscale.sim.workload import LengthBucket, OutputLengths, make_workload
-from iterserve.dashboards import metrics, panels, provisioning
+from iterserve.dashboards import metrics, provisioning
 from iterserve.loadtests.bench_client import run_level
 from iterserve.loadtests.servers import free_port, serve_mode
 
@@ -125,8 +126,8 @@ def test_every_panel_query_runs_on_prometheus(server: tuple[str, str], prometheu
     time.sleep(3)  # a few more 1 s scrapes, so every rate() window holds several points
 
     empty, failed = [], []
-    for panel, target in panels.all_targets():
-        expr = panels.render_query(target.expr, model_name=model, rate_interval=RATE_WINDOW)
+    for panel, target in dashboard_queries.all_targets():
+        expr = dashboard_queries.render_query(target.expr, model_name=model, rate_interval=RATE_WINDOW)
         result = _query(prometheus, expr)
         if result["http_status"] != 200 or result.get("status") != "success":
             failed.append(f"{panel.title} / {target.legend}: {result.get('error')} :: {expr}")

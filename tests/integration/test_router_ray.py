@@ -17,19 +17,21 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray")
+import block_hash_oracle  # noqa: E402
+from block_hash_oracle import prompt_block_hashes  # noqa: E402
 from ray import cloudpickle, serve  # noqa: E402
 
 from iterserve.autoscale.config import RouterConfig  # noqa: E402
 from iterserve.autoscale.router import request_router_config  # noqa: E402
 from iterserve.autoscale.signals import ReplicaLoad  # noqa: E402
-from iterserve.replica.block_hashes import prompt_block_hashes  # noqa: E402
 
 BLOCK_SIZE = 16
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(240)]
 
-# The test module is not importable in Ray workers: ship its deployment by value.
+# The test module and the oracle are not importable in Ray workers: ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(block_hash_oracle)
 
 
 @serve.deployment(max_ongoing_requests=100, ray_actor_options={"num_cpus": 0})

@@ -8,15 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from block_hash_oracle import leading_run, prompt_block_hashes
 
-from iterserve.replica.block_hashes import (
-    BlockHashIndex,
-    leading_run,
-    prompt_block_hashes,
-    stable_block_hash,
-)
+from iterserve.replica.block_hashes import BlockHashIndex, stable_block_hash
 from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
@@ -32,9 +29,11 @@ BLOCK = 4
 PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks a lookup could hit
 
 # Run in a fresh interpreter: a block manager's report for PROMPT, and PROMPT's chain.
-_CHILD = """
+TESTS = Path(__file__).resolve().parents[1]  # where the oracle module is
+_CHILD = f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n" + """
 import json
-from iterserve.replica.block_hashes import BlockHashIndex, prompt_block_hashes
+from block_hash_oracle import prompt_block_hashes
+from iterserve.replica.block_hashes import BlockHashIndex
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams

@@ -1,9 +1,11 @@
-"""BlockManager.mark_private: a request's own blocks hashed only if it is preempted, with
-the same hits and the same free-block reuse order as hashing every block as it fills (up to
-which of its anonymous blocks, findable by nobody, fills which place)."""
+"""The simulator's SimBlockManager.mark_private: a request's own blocks hashed only if it is
+preempted, with the same hits and the same free-block reuse order as the engine's
+BlockManager, which hashes every block as it fills (up to which of its anonymous blocks,
+findable by nobody, fills which place)."""
 
 from __future__ import annotations
 
+from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.sampling_params import SamplingParams
@@ -26,11 +28,12 @@ def run(manager: BlockManager, req: Request, num_tokens: int) -> None:
     manager.mark_computed(req)
 
 
-def managers() -> tuple[BlockManager, BlockManager]:
-    return BlockManager(40, BLOCK, True), BlockManager(40, BLOCK, True)
+def managers() -> tuple[BlockManager, SimBlockManager]:
+    """The engine's (eager: hashes every block as it fills) and the simulator's (lazy)."""
+    return BlockManager(40, BLOCK, True), SimBlockManager(40, BLOCK, True)
 
 
-def assert_same_reuse_order(eager: BlockManager, lazy: BlockManager) -> None:
+def assert_same_reuse_order(eager: BlockManager, lazy: SimBlockManager) -> None:
     """The same order, where lazy's anonymous blocks hold the places of the same blocks
     (in some order) in eager's."""
     anonymous = lazy.free_pool.anonymous_blocks()
@@ -71,7 +74,8 @@ def test_a_preempted_private_request_finds_its_own_blocks_when_readmitted() -> N
         run(manager, a, 17)
         manager.free(a)  # preempted: still running when its blocks go
         a.num_computed_tokens, a.num_preemptions = 0, 1
-        assert manager.private_from.get("a") == (1 if manager is lazy else None)
+        if manager is lazy:
+            assert lazy.private_from.get("a") == 1
         found.append(manager.find_cached_prefix(a))
         run(manager, a, 19)
         a.status = RequestStatus.FINISHED_LENGTH

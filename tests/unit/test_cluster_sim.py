@@ -233,7 +233,7 @@ def test_engine_waits_lengthen_steps_deterministically_and_alike_on_both_paths()
     ("multi-tenant", 20.0, 2000, True), ("steady", 60.0, 5000, True)])
 def test_private_blocks_hashed_lazily_give_the_same_results(workload: str, rate: float,
                                                             num_blocks: int, fast: bool) -> None:
-    """BlockManager.mark_private (a private SyntheticPrompt's own blocks are hashed only if
+    """SimBlockManager.mark_private (a private SyntheticPrompt's own blocks are hashed only if
     it is preempted): byte-identical JSON with and without it, under block pressure
     (preemptions, whose readmissions find their own blocks), shared heads and prefix hits,
     on the fast path and step by step."""

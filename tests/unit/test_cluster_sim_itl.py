@@ -1,17 +1,36 @@
-"""The batched ITL counter gives the definitions' floats (request_itl, count_gaps)."""
+"""The batched ITL counter gives the definitions' floats: request_itl and count_gaps below,
+one request at a time in plain Python, are the readable oracle of autoscale/sim/itl.py."""
 
 from __future__ import annotations
 
 import collections
+import operator
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from iterserve.autoscale.sim.itl import (
-    ItlCounter,
-    count_gaps,
-    itl_histogram,
-    request_itl,
-)
+from iterserve.autoscale.percentile import percentile
+from iterserve.autoscale.sim.itl import ITL_BINS_PER_S, ItlCounter
+
+
+def request_itl(token_times: Sequence[float]) -> tuple[list[float], float, float]:
+    """(gaps, max gap, p99 gap) of one request's token times."""
+    gaps = list(map(operator.sub, token_times[1:], token_times[:-1]))
+    if not gaps:
+        return gaps, 0.0, 0.0
+    return gaps, max(gaps), percentile(gaps, 99)
+
+
+def count_gaps(bins: collections.Counter, gaps: Sequence[float]) -> None:
+    """Add gaps to a Counter of 0.1 ms bin numbers (each gap counts at its bin's
+    lower edge; C-speed: a run holds millions of gaps). `itl_histogram` turns it into
+    {gap: count}."""
+    bins.update(map(int, map(ITL_BINS_PER_S.__mul__, gaps)))
+
+
+def itl_histogram(bins: collections.Counter) -> dict[float, int]:
+    """{bin's lower edge in seconds: count}, in the order the bins were first seen."""
+    return {b / ITL_BINS_PER_S: n for b, n in bins.items()}
 
 
 @dataclass

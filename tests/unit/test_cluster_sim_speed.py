@@ -7,6 +7,7 @@ from array import array
 
 from iterserve.autoscale.router_policy import Correction, InFlightTracker
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.autoscale.sim.prefix import PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes, SyntheticPrompt
 from iterserve.replica.block_manager import BlockManager
@@ -84,9 +85,10 @@ def test_prompt_block_keys_find_what_the_block_manager_finds() -> None:
             assert keys.num_cached_blocks(prompt, bm.cached_blocks) == want  # memoised
 
 
-def test_register_next_block_equals_mark_computed() -> None:
-    managers = [BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
-                for _ in range(2)]
+def test_register_output_blocks_equals_mark_computed() -> None:
+    """The simulator's one-block registration of a decode equals the engine's mark_computed."""
+    managers = [BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=True),
+                SimBlockManager(num_blocks=64, block_size=4, enable_prefix_caching=True)]
     prompt = [3, 1, 4, 1, 5, 9]
     for fast, bm in zip((False, True), managers, strict=True):
         request = Request("a", list(prompt), SamplingParams(max_tokens=30), 0.0)
@@ -100,7 +102,7 @@ def test_register_next_block_equals_mark_computed() -> None:
             if request.num_computed_tokens % 4:
                 continue
             if not (fast and request.num_computed_tokens - 4 >= len(prompt)
-                    and bm.register_next_block(request, (7,) * 4)):
+                    and bm.register_output_blocks([request], [(7,) * 4]) == 1):
                 bm.mark_computed(request)
     assert managers[0].cached_blocks == managers[1].cached_blocks
     assert managers[0].num_registered == managers[1].num_registered
@@ -110,7 +112,7 @@ def test_register_next_block_equals_mark_computed() -> None:
     request = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
     bm.allocate(request, 12)
     request.num_computed_tokens = 12
-    assert not bm.register_next_block(request, (7,) * 4)
+    assert bm.register_output_blocks([request], [(7,) * 4]) == 0
 
 
 def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
@@ -161,11 +163,11 @@ def _state(bm: BlockManager) -> tuple:
 
 
 def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
-    """append_blocks == allocate(request, 1) each; register_output_blocks ==
-    register_next_block each (stopping where it declines), cached blocks reused included."""
+    """append_blocks == the engine's allocate(request, 1) each; register_output_blocks ==
+    its mark_computed each (stopping where it declines), cached blocks reused included."""
     rng = random.Random(3)
-    managers = [BlockManager(num_blocks=40, block_size=4, enable_prefix_caching=True)
-                for _ in range(2)]
+    managers = [BlockManager(num_blocks=40, block_size=4, enable_prefix_caching=True),
+                SimBlockManager(num_blocks=40, block_size=4, enable_prefix_caching=True)]
     requests: list[list[Request]] = [[], []]
     prompts = [[rng.randrange(3) for _ in range(6)] for _ in range(6)]  # few ids: shared keys
     for batched, bm in enumerate(managers):
@@ -196,11 +198,11 @@ def test_batched_decode_block_work_equals_one_request_at_a_time() -> None:
                 assert bm.register_output_blocks(full, runs) == len(full)
             else:
                 for r in full:
-                    assert bm.register_next_block(r, (7,) * 4)
+                    bm.mark_computed(r)
             if step == 6:  # a finish frees blocks that later takes reuse
                 bm.free(requests[batched].pop(0))
     assert _state(managers[0]) == _state(managers[1])
-    # it stops where register_next_block would decline (here: two blocks behind)
+    # it stops where a request is not exactly one block on (here: two blocks behind)
     bm = managers[1]
     behind = Request("b", [7] * 12, SamplingParams(max_tokens=1), 0.0)
     bm.allocate(behind, 12)

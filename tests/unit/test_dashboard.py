@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import dashboard_queries
 import yaml
 
 from iterserve.dashboards import grafana, metrics, panels, provisioning
@@ -45,7 +46,7 @@ def test_every_query_uses_only_catalogued_metrics() -> None:
         exposed.add(base)
         if spec.kind == "histogram":
             exposed |= {base + "_bucket", base + "_sum", base + "_count"}
-    for panel, target in panels.all_targets():
+    for panel, target in dashboard_queries.all_targets():
         names = set(_NAME.findall(target.expr))
         if target.requires == "gpu":
             assert not names
@@ -65,7 +66,7 @@ def test_the_requested_panels_exist() -> None:
 
 
 def test_render_query_substitutes_grafana_variables() -> None:
-    rendered = panels.render_query(panels.LATENCY.panels[0].targets[0].expr, "tiny", "20s")
+    rendered = dashboard_queries.render_query(panels.LATENCY.panels[0].targets[0].expr, "tiny", "20s")
     assert "$" not in rendered and 'model_name=~"tiny"' in rendered and "[20s]" in rendered
 
 

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
+from iterserve.autoscale.sim.block_manager import SimFreeBlockPool
 from iterserve.replica.free_block_pool import FreeBlockPool
 
 
@@ -93,7 +94,7 @@ def test_anonymous_blocks_take_cached_places_and_any_one_fills_a_place(seed: int
     reuse order; which of them is taken there is the pool's choice (here: the newest)."""
     rng = random.Random(seed)
     num_blocks = rng.choice([4, 16, 300])
-    pool, reference = FreeBlockPool(num_blocks), ReferencePool(num_blocks)
+    pool, reference = SimFreeBlockPool(num_blocks), ReferencePool(num_blocks)
     held: list[int] = []
     cached: set[int] = set()
     anonymous: list[int] = []  # free anonymous blocks, the newest last
@@ -138,7 +139,7 @@ def test_anonymous_blocks_take_cached_places_and_any_one_fills_a_place(seed: int
 
 
 def test_an_anonymous_block_cannot_be_removed_as_a_prefix_hit() -> None:
-    pool = FreeBlockPool(4)
+    pool = SimFreeBlockPool(4)
     taken = pool.take(2)
     pool.release([], taken, 2)
     with pytest.raises(RuntimeError):
@@ -146,7 +147,7 @@ def test_an_anonymous_block_cannot_be_removed_as_a_prefix_hit() -> None:
 
 
 def test_compaction_keeps_the_anonymous_places() -> None:
-    pool = FreeBlockPool(8)
+    pool = SimFreeBlockPool(8)
     anon = pool.take(2)
     (block_id,) = pool.take(1)
     pool.release([], anon, 2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from block_hash_oracle import prompt_block_hashes
 
 from iterserve.autoscale.signals import AUTOSCALING_METRICS, ReplicaLoad
-from iterserve.replica.block_hashes import prompt_block_hashes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.sampling_params import SamplingParams
 

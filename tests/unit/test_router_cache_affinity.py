@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from router_oracle import rank_replicas
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.router_policy import Correction, rank_replicas
+from iterserve.autoscale.router_policy import Correction
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.iterserve_router import CALLER_VIEWS, OWN_TRACKER, IterserveRouter
 from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from block_hash_oracle import prompt_block_hashes
+
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.replica.block_hashes import prompt_block_hashes
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 40 * BLOCK + 5))  # 40 full blocks and a bit
@@ -128,7 +129,7 @@ def test_the_lazy_chain_walk_answers_as_hashing_the_whole_prompt_does() -> None:
     answers must equal the leading run of the whole prompt's chain in each report."""
     import random
 
-    from iterserve.replica.block_hashes import leading_run
+    from block_hash_oracle import leading_run
 
     rng = random.Random(3)
     for _ in range(200):

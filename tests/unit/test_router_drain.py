@@ -7,10 +7,11 @@ import dataclasses
 import json
 
 import pytest
+from router_oracle import queued_prefill
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_inflight import Correction, InFlightTracker
-from iterserve.autoscale.router_policy import effective_load, prefill_queue, queued_prefill
+from iterserve.autoscale.router_policy import effective_load, prefill_queue
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.config import ClusterSimConfig

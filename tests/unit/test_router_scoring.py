@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from router_oracle import rank_replicas, score_replicas
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_policy import (
@@ -13,8 +14,6 @@ from iterserve.autoscale.router_policy import (
     InFlightTracker,
     PrefixAffinityTable,
     prefix_hash,
-    rank_replicas,
-    score_replicas,
     to_rank_groups,
 )
 from iterserve.autoscale.signals import ReplicaLoad

@@ -6,9 +6,10 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from router_oracle import rank_replicas
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.router_policy import Correction, prefix_hash, rank_replicas
+from iterserve.autoscale.router_policy import Correction, prefix_hash
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.signals import ReplicaLoad
 

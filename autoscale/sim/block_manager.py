@@ -1,0 +1,214 @@
+"""The engine's block manager with what only the cluster simulator needs.
+
+A simulated prompt's own tokens (`SyntheticPrompt.private`) are found by no other request,
+so the simulator neither hashes the blocks that hold them as they fill nor keeps them in
+the prefix cache's reuse queue one by one; it batches the decode-step block work of a
+cohort of requests (`append_blocks`, `register_output_blocks`). Same hits, same blocks
+reused, same results: tests/unit/test_block_manager_private.py and
+tests/unit/test_cluster_sim_speed.py hold these to the engine's `BlockManager`, and
+tests/unit/test_cluster_sim.py runs whole clusters both ways byte for byte.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+
+from iterserve.replica.block_keys import ROOT_HASH, BlockTokens, block_tokens
+from iterserve.replica.block_manager import BlockManager, BlockTable
+from iterserve.replica.free_block_pool import FreeBlockPool
+from iterserve.replica.request import Request
+
+_ANONYMOUS = -1  # an entry of the cached queue that any anonymous free block fills
+
+
+class SimFreeBlockPool(FreeBlockPool):
+    """The free pool with anonymous blocks: full blocks that no request can ever find (a
+    private prompt's own blocks, never hashed). They take a cached block's place in the
+    reuse order, but which of them fills that place makes no difference (none holds
+    anything findable), so the queue holds a marker and the block comes from a stack of
+    them, the most recently freed first: its memory is still warm, where the least recently
+    freed one's (the whole pool cycled through in order) is not."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self._anonymous: list[int] = []  # free anonymous blocks, a stack
+
+    def release(self, uncached: Sequence[int], cached: Sequence[int], num_anonymous: int = 0
+                ) -> None:
+        """`FreeBlockPool.release`, the first num_anonymous cached blocks anonymous."""
+        self._mark_free(uncached, cached)
+        if num_anonymous:
+            self._anonymous.extend(cached[:num_anonymous])
+            self._cached.extend(itertools.repeat(_ANONYMOUS, num_anonymous))
+            cached = cached[num_anonymous:]
+        self._queue_cached(cached)
+
+    def _take_cached(self, taken: list[int], count: int) -> None:
+        pop, entries, free = self._cached.popleft, self._entries, self._free
+        while len(taken) < count:
+            block_id = pop()
+            if block_id == _ANONYMOUS:
+                taken.append(self._anonymous.pop())
+            else:
+                left = entries[block_id] - 1
+                entries[block_id] = left
+                if left == 0 and free[block_id]:
+                    taken.append(block_id)
+
+    def _compact(self) -> None:
+        """`FreeBlockPool._compact`; each marker keeps its place among the live entries."""
+        entries, free = self._entries, self._free
+        kept: deque[int] = deque()
+        for block_id in self._cached:
+            if block_id == _ANONYMOUS:
+                kept.append(block_id)
+                continue
+            left = entries[block_id] - 1
+            entries[block_id] = left
+            if left == 0 and free[block_id]:
+                kept.append(block_id)
+        for block_id in kept:
+            if block_id != _ANONYMOUS:
+                entries[block_id] = 1
+        self._cached = kept
+
+    def in_reuse_order(self) -> list[int]:
+        order = self._uncached[::-1]
+        remaining = list(self._entries)
+        anonymous = list(self._anonymous)
+        for block_id in self._cached:
+            if block_id == _ANONYMOUS:
+                order.append(anonymous.pop())
+                continue
+            remaining[block_id] -= 1
+            if remaining[block_id] == 0 and self._free[block_id]:
+                order.append(block_id)
+        return order
+
+    def anonymous_blocks(self) -> frozenset[int]:
+        """The free anonymous blocks (whichever of them is reused is the pool's choice)."""
+        return frozenset(self._anonymous)
+
+
+class SimBlockManager(BlockManager):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.free_pool = SimFreeBlockPool(num_blocks)
+        # Per request: the first block no other request can look up (`mark_private`).
+        self.private_from: dict[str, int] = {}
+
+    def mark_private(self, request_id: str, first_block: int) -> None:
+        """No other request's prompt holds this request's tokens from its block first_block
+        on (a simulator's own tokens: `SyntheticPrompt.private`), so only the request itself,
+        readmitted after a preemption, can look those blocks up. They are not hashed as they
+        fill: when it finishes, the filled ones go back to the free pool where registered
+        blocks go (the same reuse order), and only a preemption hashes and registers them
+        (its readmission may find them). Same hits, same blocks reused: the cluster
+        simulator's results are byte-identical with it (tests/unit/test_cluster_sim.py)."""
+        self.private_from[request_id] = first_block
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        limit = super()._max_hit_blocks(request)
+        private = self.private_from.get(request.request_id)
+        if private is not None and private < limit and not request.num_preemptions:
+            return private  # nothing past it is cached before it registers its own
+        return limit
+
+    def mark_computed(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """`BlockManager.mark_computed`, registering no block from the request's first
+        private one on."""
+        if self.enable_prefix_caching and request.request_id in self.block_tables:
+            if num_computed_tokens is None:
+                num_computed_tokens = request.num_computed_tokens
+            self._register_full_blocks(request, num_computed_tokens,
+                                       self.private_from.get(request.request_id))
+
+    def free(self, request: Request) -> None:
+        """`BlockManager.free`; a finished private request's own filled blocks go back
+        where registered blocks go, as anonymous blocks."""
+        rid = request.request_id
+        private = self.private_from.get(rid)
+        if private is None:
+            super().free(request)
+            return
+        if not request.is_finished:  # preempted: readmitted, it may look them up
+            if rid in self.block_tables:
+                self._register_full_blocks(request, request.num_computed_tokens)
+            super().free(request)  # it stays marked for its next run
+            return
+        del self.private_from[rid]
+        table = self.block_tables.pop(rid, ())
+        self.num_registered.pop(rid, None)
+        uncached: list[int] = []
+        cached: list[int] = []
+        if len(table) > private:
+            uncached, cached = self._free_private_tail(table, private,
+                                                       request.num_computed_tokens)
+            table = table[:private]
+        # Its own full blocks never hashed (newest first): nothing can find them, so any of
+        # them may stand in for another (SimFreeBlockPool).
+        num_anonymous = 0
+        for block_id in cached:
+            if self.block_keys[block_id] is not None:
+                break
+            num_anonymous += 1
+        self.free_pool.release(*self._unreference(table, uncached, cached), num_anonymous)
+
+    def register_output_blocks(self, requests: Sequence[Request], runs: Sequence[BlockTokens],
+                               start: int = 0) -> int:
+        """`mark_computed(requests[i])` for i = start, start + 1, ... in order, for decodes
+        that each completed exactly one more block in the same step, whose tokens the caller
+        knows (runs[i], in `block_tokens` form: a simulator's decode has no token list to
+        slice). Stops at the first request for which that is not so (a block behind or
+        none): returns its i (len(requests): all done); call mark_computed for it."""
+        tables, registered = self.block_tables, self.num_registered
+        cached, keys, block_size = self.cached_blocks, self.block_keys, self.block_size
+        if not self.enable_prefix_caching:
+            return len(requests)
+        for i in range(start, len(requests)):
+            request = requests[i]
+            rid = request.request_id
+            table = tables.get(rid)
+            if table is None:
+                continue
+            first, parent = registered.get(rid, (0, ROOT_HASH))
+            end = min(request.num_computed_tokens // block_size, len(table))
+            if end != first + 1:
+                return i
+            run = runs[i]
+            chunk = run if isinstance(run, bytes) else block_tokens(run)
+            key = hash((parent, chunk))
+            block_id = table[first]
+            if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:
+                keys[block_id] = key
+                if self.cache_listener is not None:
+                    self.cache_listener.stored(key, parent, chunk)
+            registered[rid] = (end, key)
+        return len(requests)
+
+    def append_blocks(self, request_ids: Sequence[str]) -> None:
+        """One more block each for these requests, in order: what `allocate(request, n)`
+        does for a running request whose n new tokens pass its last block by exactly one
+        (a simulator's decodes crossing a block boundary in the same step). Raises
+        RuntimeError, taking nothing, if fewer blocks are free."""
+        if len(request_ids) > self.free_pool.num_free:
+            raise RuntimeError("out of KV blocks for the requests' next blocks")
+        tables = self.block_tables
+        for rid, block_id in zip(request_ids, self._take_free(len(request_ids)), strict=True):
+            tables[rid].append(block_id)
+
+    def _free_private_tail(self, table: BlockTable, private: int, num_computed_tokens: int
+                           ) -> tuple[list[int], list[int]]:
+        """(uncached, cached) of free()'s loop over a finished private request's blocks from
+        `private` on: it alone held them; the filled ones are (or would have been)
+        registered, so they go where cached blocks go, the tail first."""
+        tail = table[private:].tolist()
+        refs = self.ref_counts
+        for block_id in tail:
+            refs[block_id] = 0
+        tail.reverse()
+        filled = min(num_computed_tokens // self.block_size, len(table)) - private
+        num_unfilled = len(tail) - max(filled, 0)
+        return tail[:num_unfilled], tail[num_unfilled:]
