@@ -11,13 +11,13 @@ added tokens, and BOS prepended only when `tokenizer.ggml.add_bos_token` says so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from iterserve.replica.gguf_loader import open_gguf
-from iterserve.replica.tokenizer import Tokenizer
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
@@ -103,8 +103,20 @@ def gguf_backend(path: str | Path) -> Backend:
     return backend
 
 
-def gguf_tokenizer(path: str | Path) -> Tokenizer:
-    """The engine Tokenizer: backend, BOS/EOS from their ids, and `tokenizer.chat_template`."""
+@dataclass(frozen=True)
+class GgufTokenizer:
+    """What a GGUF file says of its tokenizer: `Tokenizer`'s fields (`Tokenizer.from_pretrained`
+    builds one from these)."""
+
+    backend: Backend
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+    extra_eos_token_ids: tuple[int, ...]
+
+
+def gguf_tokenizer(path: str | Path) -> GgufTokenizer:
+    """The backend, BOS/EOS from their ids, and `tokenizer.chat_template`."""
     file = open_gguf(path)
     backend = gguf_backend(path)
     tokens = file.require("tokenizer.ggml.tokens")
@@ -114,7 +126,7 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
         return None if index is None else tokens[int(index)]
 
     eot = file.get("tokenizer.ggml.eot_token_id")
-    return Tokenizer(
+    return GgufTokenizer(
         backend,
         bos_token=token("tokenizer.ggml.bos_token_id"),
         eos_token=token("tokenizer.ggml.eos_token_id"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iterserve.replica.logprobs import PromptLogprobsChunk, TokenLogprobs
 from iterserve.replica.request import Request
 
 
@@ -76,27 +77,6 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if s.is_decode)
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and the top-N alternatives at one position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
-    rank: int | None = None  # 1 + how many tokens are more likely (ties count as ahead)
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt log-probabilities computed in one step: positions first_position, ... in order.
-
-    Entry i scores prompt token first_position + i given the tokens before it.
-    """
-
-    first_position: int
-    entries: list[TokenLogprobs]
 
 
 @dataclass

@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from iterserve.replica.logprobs import PromptLogprobsChunk, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # outputs imports this module
+if TYPE_CHECKING:  # logit_controls needs torch, which a request does not
     from iterserve.replica.logit_controls import RequestConstraint
-    from iterserve.replica.outputs import PromptLogprobsChunk, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

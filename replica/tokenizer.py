@@ -77,9 +77,12 @@ class Tokenizer:
         """Read tokenizer.json, tokenizer_config.json and generation_config.json of a folder,
         or the tokenizer metadata of a GGUF file."""
         if is_gguf(path):
-            from iterserve.replica.gguf_tokenizer import gguf_tokenizer
+            from iterserve.replica.gguf_tokenizer import gguf_tokenizer  # torch: only for GGUF
 
-            return gguf_tokenizer(path)
+            fields = gguf_tokenizer(path)
+            return cls(fields.backend, bos_token=fields.bos_token, eos_token=fields.eos_token,
+                       chat_template=fields.chat_template,
+                       extra_eos_token_ids=fields.extra_eos_token_ids)
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():

@@ -9,6 +9,7 @@ through a DeploymentHandle at their arrival times and time every stream),
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import zlib
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.sim.workload import WorkloadRequest
 
 REPLICA_DEPLOYMENT = "LLMReplica"
@@ -258,3 +260,19 @@ def replica_app(engine_kwargs: dict[str, Any], num_replicas: int | None = None,
                                               drain_timeout_s)
 
 
+def quantiles(values: Sequence[float], prefix: str) -> dict[str, float]:
+    """{prefix_p10_s, _p50_s, _p90_s, _p99_s}: the figures the Ray path's reports print."""
+    return {f"{prefix}_p{q}_s": percentile(values, q) for q in (10, 50, 90, 99)}
+
+
+def hop_summary(records: Sequence[ClientRecord]) -> dict[str, float]:
+    """p10/p50/p90/p99 of dispatch, engine TTFT and return latency over the records that
+    carry the engine's timestamps; prefix hit rate (cached / prompt tokens)."""
+    ok = [r for r in records if r.ok]
+    dispatch = [r.dispatch_latency for r in ok if r.dispatch_latency is not None]
+    engine = [r.engine_ttft for r in ok if r.engine_ttft is not None]
+    back = [r.return_latency for r in ok if r.return_latency is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {**quantiles(dispatch, "dispatch"), **quantiles(engine, "engine_ttft"),
+            **quantiles(back, "return"), "hops_measured": float(len(dispatch)),
+            "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan}

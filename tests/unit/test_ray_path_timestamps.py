@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from iterserve.loadtests.studies.ray_harness import ClientRecord
-from iterserve.loadtests.studies.sim_validation.ray_path_latency import hop_summary
+from iterserve.loadtests.studies.ray_harness import ClientRecord, hop_summary
 from iterserve.replica import AsyncLLMEngine, EngineConfig, SamplingParams
 
 # One prefill step of a 1500-token prompt at time_scale 20: (6.5 ms + 1500 x 30 us) x 20

@@ -46,10 +46,10 @@ from iterserve.loadtests.studies.ray_harness import (
     ReplicaStatsPoller,
     device_idle_reports,
     drive,
+    hop_summary,
     replica_app,
     start_ray,
 )
-from iterserve.loadtests.studies.sim_validation.ray_path_latency import hop_summary
 from iterserve.replica.device_idle import fit_report, merge_reports
 
 # Engine per replica: a deliberately small KV cache (num_gpu_blocks_override) so that a few

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import sys
@@ -40,26 +39,16 @@ from typing import Any
 from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies import results_of
-from iterserve.loadtests.studies.ray_harness import ClientRecord, drive, replica_app, start_ray
+from iterserve.loadtests.studies.ray_harness import (
+    ClientRecord,
+    drive,
+    hop_summary,
+    quantiles,
+    replica_app,
+    start_ray,
+)
 
 DEFAULT_OUT = results_of("sim_validation") / "ray_path_latency.json"
-
-
-def _quantiles(values: Sequence[float], prefix: str) -> dict[str, float]:
-    return {f"{prefix}_p{q}_s": percentile(values, q) for q in (10, 50, 90, 99)}
-
-
-def hop_summary(records: Sequence[ClientRecord]) -> dict[str, float]:
-    """p10/p50/p90/p99 of dispatch, engine TTFT and return latency over the records that
-    carry the engine's timestamps; prefix hit rate (cached / prompt tokens)."""
-    ok = [r for r in records if r.ok]
-    dispatch = [r.dispatch_latency for r in ok if r.dispatch_latency is not None]
-    engine = [r.engine_ttft for r in ok if r.engine_ttft is not None]
-    back = [r.return_latency for r in ok if r.return_latency is not None]
-    prompt = sum(r.prompt_tokens for r in ok)
-    return {**_quantiles(dispatch, "dispatch"), **_quantiles(engine, "engine_ttft"),
-            **_quantiles(back, "return"), "hops_measured": float(len(dispatch)),
-            "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan}
 
 
 def probe_specs(num_requests: int, gap_s: float, seed: int, max_tokens: int,
@@ -88,8 +77,8 @@ def engine_excess(records: Sequence[ClientRecord], time_scale: float) -> dict[st
         for i, gap in enumerate(r.gaps):
             # gap i ends the step that samples output token i + 1 (context n + i + 1)
             decode_excess.append(gap - cost.step_time(0, 1, n + i + 1) * time_scale)
-    return {**_quantiles(prefill_excess, "engine_prefill_excess"),
-            **_quantiles(decode_excess, "decode_gap_excess")}
+    return {**quantiles(prefill_excess, "engine_prefill_excess"),
+            **quantiles(decode_excess, "decode_gap_excess")}
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
