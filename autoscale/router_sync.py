@@ -186,10 +186,6 @@ class RouterSync:
             del self._heard[request_id]
             self._core.completed(request_id)
 
-    @property
-    def heard(self) -> int:
-        return len(self._heard)
-
     # -------------------------------------------------------------------- the loop
     def ensure_running(self, resolve: Callable[[str], Hashable | None]) -> None:
         """Start the exchange loop on the running event loop (once; again if it ended)."""

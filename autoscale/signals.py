@@ -163,17 +163,6 @@ class ReplicaLoad:
             METRIC_DRAINING: 1.0 if self.draining else 0.0,
         }
 
-    @property
-    def num_cached_block_hashes(self) -> int:
-        return 0 if self.cached_block_hashes is None else len(self.cached_block_hashes)
-
-    @property
-    def queue_full(self) -> bool:
-        return (
-            self.max_waiting_requests is not None
-            and self.num_waiting >= self.max_waiting_requests
-        )
-
 
 _NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size")
 

@@ -298,9 +298,6 @@ class BlockManager:
         self.ref_counts[block_id] += 1
         return block_id
 
-    def free_blocks_in_reuse_order(self) -> list[int]:
-        return self.free_pool.in_reuse_order()
-
     # ------------------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """Raise RuntimeError if the accounting is inconsistent."""

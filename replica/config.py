@@ -210,16 +210,6 @@ class EngineConfig:
             **groups["engine"],
         )
 
-    @property
-    def is_resolved(self) -> bool:
-        """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
-        return (self.model is not None and self.served_model_name is not None
-                and "auto" not in (self.dtype, self.device, self.attention_backend)
-                and self.async_scheduling is not None
-                and self.scheduler.max_model_len is not None
-                and self.scheduler.max_num_batched_tokens is not None)
-
-
 
 @dataclass(frozen=True)
 class SettingSpec:

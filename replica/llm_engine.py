@@ -199,10 +199,6 @@ class LLMEngine(EngineStatsReporting):
                 or bool(self.constrained.held) or self._in_flight is not None)
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.children)
-
-    @property
     def num_waiting_requests(self) -> int:
         """Requests not yet running: queued (preempted ones included) or held back as later
         children of an n > 1 request. The count `stats()` reports and admission bounds."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 import zlib
@@ -99,11 +98,6 @@ class CostModel:
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
         a, b, c, d = (max(0.0, float(v)) for v in coef)
         return cls(a, b, c, d)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> CostModel:
-        return cls(**json.loads(Path(path).read_text()))
-
 
 @dataclass(frozen=True)
 class SimulatorConfig:
@@ -379,9 +373,3 @@ class SimulatedStep:
         if remaining > 0:
             self._sleep(remaining)
         return self._output
-
-
-def expected_decode_tokens_per_s(cost: CostModel, batch: int, context: int) -> float:
-    """Steady-state decode throughput of `batch` sequences of `context` tokens (docs/tests)."""
-    step = cost.step_time(0, batch, batch * context)
-    return batch / step if step > 0 else math.inf

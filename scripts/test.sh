@@ -8,4 +8,5 @@ if ! command -v prometheus >/dev/null 2>&1; then
     bash dashboards/install_prometheus.sh || echo "prometheus not installed: its test will skip"
 fi
 .venv/bin/ruff check .
+.venv/bin/python scripts/deadcode.py
 exec .venv/bin/python -m pytest "$@"

@@ -8,7 +8,6 @@ contents between two arrivals (the step load does).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Iterator
 
@@ -47,22 +46,3 @@ def poisson_gaps(rng: random.Random, rate: float) -> Iterator[float]:
         raise ValueError("rate must be > 0")
     while True:
         yield rng.expovariate(rate)
-
-
-def arrival_offsets(num_requests: int, rate: float, seed: int = 0,
-                    burstiness: float = 1.0) -> list[float]:
-    """Send times (seconds from start) for an open-loop run, vLLM-style.
-
-    Gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)): burstiness 1 is a Poisson
-    process, < 1 burstier, large values nearly constant. ``rate=inf`` sends all at t=0.
-    """
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
-    if math.isinf(rate):
-        return [0.0] * num_requests
-    rng = random.Random(seed + 1_000_003)  # a stream independent of the request contents
-    offsets, now = [], 0.0
-    for _ in range(num_requests):
-        offsets.append(now)
-        now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return offsets

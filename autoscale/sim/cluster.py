@@ -368,6 +368,9 @@ class ClusterSim:
         slot.state = STOPPED
         self._free = None
         slot.stopped_at = self.now
+        # No router asks a stopped replica (answers are for candidates only): drop its cache
+        # so a long autoscaled run does not hold every stopped replica's prefix cache.
+        self.prefix_cache.remove_replica(slot.replica_id)
         self._record_counts()
 
     # ------------------------------------------------------------------ autoscaling

@@ -37,7 +37,7 @@ def assert_same_reuse_order(eager: BlockManager, lazy: SimBlockManager) -> None:
     """The same order, where lazy's anonymous blocks hold the places of the same blocks
     (in some order) in eager's."""
     anonymous = lazy.free_pool.anonymous_blocks()
-    want, got = eager.free_blocks_in_reuse_order(), lazy.free_blocks_in_reuse_order()
+    want, got = eager.free_pool.in_reuse_order(), lazy.free_pool.in_reuse_order()
     assert [None if b in anonymous else b for b in got] == \
         [None if b in anonymous else b for b in want]
     assert {b for b in want if b in anonymous} == anonymous

@@ -158,7 +158,7 @@ def test_cluster_prefix_cache_answers_what_each_replica_answers() -> None:
 
 
 def _state(bm: BlockManager) -> tuple:
-    return (bm.block_tables, bm.num_registered, bm.cached_blocks, bm.free_blocks_in_reuse_order(),
+    return (bm.block_tables, bm.num_registered, bm.cached_blocks, bm.free_pool.in_reuse_order(),
             bm.ref_counts, bm.block_keys)
 
 

@@ -59,7 +59,12 @@ def test_build_app_binds_ingress_over_replica():
     assert replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.num_replicas == 2
     engine = replica._bound_deployment.init_args[0]  # resolved once, on the driver
-    assert isinstance(engine, EngineConfig) and engine.is_resolved
+    assert isinstance(engine, EngineConfig)
+    # resolved: every "auto" made concrete and every derived value filled
+    assert engine.model is not None and engine.served_model_name is not None
+    assert "auto" not in (engine.dtype, engine.device, engine.attention_backend)
+    assert engine.async_scheduling is not None
+    assert None not in (engine.scheduler.max_model_len, engine.scheduler.max_num_batched_tokens)
     assert engine.scheduler.max_num_seqs == 4
     assert (engine.device, engine.dtype, engine.attention_backend) == ("cpu", "float32", "torch")
     assert isinstance(ingress.init_kwargs["api_keys"][0], SecretStr)

@@ -89,12 +89,12 @@ def test_heard_sends_count_in_flight_until_their_completion_is_heard() -> None:
     correction = mine.in_flight.correction("X", _stats())
     assert correction is not None and (correction.requests, correction.prefill_tokens) == (
         1, 200)
-    assert me.heard == 1 and len(mine.in_flight) == 1 and len(mine.affinity) == 0
+    assert len(me._heard) == 1 and len(mine.in_flight) == 1 and len(mine.affinity) == 0
     other.completed("r1", "x")
     other.completed("mine", "x")  # a completion of something never heard: ignored
     asyncio.run(other.exchange_once(known))
     asyncio.run(me.exchange_once(known))
-    assert me.heard == 0 and len(mine.in_flight) == 0
+    assert len(me._heard) == 0 and len(mine.in_flight) == 0
     assert len(peer.in_flight) == 0  # the peer's own tracker is fed by its own router
 
 
@@ -106,12 +106,12 @@ def test_a_lost_hub_forgets_the_heard_sends_keeps_the_outbox_and_reconnects() ->
     asyncio.run(sync.exchange_once({"x": "X"}.get))
     hubs[-1].log.exchange("peer", [routed("p1")], None)
     asyncio.run(sync.exchange_once({"x": "X"}.get))
-    assert sync.heard == 1 and len(core.in_flight) == 2
+    assert len(sync._heard) == 1 and len(core.in_flight) == 2
     sync.sent("own2", "x", 2.0, 300, 200)
     hubs[-1].down = True
     with pytest.raises(ConnectionError):
         asyncio.run(sync.exchange_once({"x": "X"}.get))
-    assert sync.heard == 0 and len(core.in_flight) == 1  # its own send stays in flight
+    assert len(sync._heard) == 0 and len(core.in_flight) == 1  # its own send stays in flight
     hubs.append(LocalHub(SyncLog()))  # the next exchange asks for a new hub
     asyncio.run(sync.exchange_once({"x": "X"}.get))
     assert hubs[-1].log.stats()["events"] == 1  # the send made while the hub was down
@@ -124,10 +124,10 @@ def test_a_heard_send_never_completed_is_forgotten_after_its_ttl() -> None:
     asyncio.run(sync.exchange_once({"x": "X"}.get))
     log.exchange("peer", [routed("p1"), SyncEvent(COMPLETED, "p0", "x")], None)
     asyncio.run(sync.exchange_once({"x": "X"}.get))
-    assert sync.heard == 1
+    assert len(sync._heard) == 1
     clock[0] += HEARD_TTL_S + 1
     asyncio.run(sync.exchange_once({"x": "X"}.get))
-    assert sync.heard == 0 and len(core.in_flight) == 0
+    assert len(sync._heard) == 0 and len(core.in_flight) == 0
 
 
 def test_sync_needs_the_drained_waiting_count() -> None:

@@ -7,7 +7,6 @@ import statistics
 
 import pytest
 
-from iterserve.autoscale.sim import arrivals
 from iterserve.autoscale.sim import workload as w
 from iterserve.loadtests import workload as workload_cli
 from iterserve.loadtests.streaming import completion_body
@@ -69,14 +68,6 @@ def test_completion_body_asks_for_exact_lengths() -> None:
     assert body["max_tokens"] == body["min_tokens"] == request.max_tokens
     assert body["stream_options"] == {"include_usage": True}
     assert "stream_options" not in completion_body(request, "tiny", stream=False)
-
-
-def test_arrival_offsets_are_seeded_and_match_the_rate() -> None:
-    offsets = arrivals.arrival_offsets(4000, rate=20.0, seed=3)
-    assert offsets == arrivals.arrival_offsets(4000, rate=20.0, seed=3)
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    assert offsets[-1] / len(offsets) == pytest.approx(1 / 20.0, rel=0.1)
-    assert arrivals.arrival_offsets(3, rate=float("inf")) == [0.0, 0.0, 0.0]
 
 
 def test_the_cli_prints_the_same_requests_as_the_library(capsys) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from iterserve.autoscale.sim import arrivals, shapes
+from iterserve.autoscale.sim import shapes
 from iterserve.autoscale.sim import workload as bucketed
 from iterserve.autoscale.sim.traces import read_trace, speed_up
 from iterserve.autoscale.sim.workload import WorkloadRequest
@@ -72,15 +72,6 @@ def test_the_benchmark_workload_is_unchanged(n: int, seed: int, kwargs: dict[str
     rows = [[int(r.request_id), list(r.prompt_token_ids), r.max_tokens, r.kind]
             for r in requests]  # the old type: index, prompt, max_tokens, bucket
     assert digest(rows) == DIGESTS[f"buckets/n={n}/seed={seed}/{sorted(kwargs)}"]
-
-
-@pytest.mark.parametrize("n, rate, seed, burstiness",
-                         [(4000, 20.0, 3, 1.0), (500, 4.0, 0, 0.5), (100, 2.0, 1, 2.0)])
-def test_the_benchmark_arrivals_are_unchanged(n: int, rate: float, seed: int,
-                                              burstiness: float) -> None:
-    offsets = arrivals.arrival_offsets(n, rate, seed, burstiness)
-    key = f"gamma_offsets/n={n}/rate={rate}/seed={seed}/burstiness={burstiness}"
-    assert digest([repr(x) for x in offsets]) == DIGESTS[key]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 7])
