@@ -11,7 +11,7 @@ and PNG plots.
     iterserve bench                                  # the full run (about 15 min on 2 cores)
     iterserve bench --quick                          # concurrency 1, 4, 16; a minute or two
     iterserve bench --concurrency 1,8,64 --goodput ttft:2000 tpot:100 \
-        --serve-args="--max-num-seqs 128" --out loadtests/results --report BENCHMARKS_SERVING.md
+        --serve-args="--max-num-seqs 128" --out /tmp/bench --report /tmp/bench/REPORT.md
     iterserve bench --static-url http://127.0.0.1:8001 --continuous-url http://127.0.0.1:8002
 """
 
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="NAME:MS", help="SLOs for goodput (ttft, tpot, e2e; ms)")
     parser.add_argument("--sample-interval", type=float, default=0.5,
                         help="seconds between /metrics samples")
-    parser.add_argument("--out", type=Path, default=Path("loadtests/results"),
+    parser.add_argument("--out", type=Path, default=bench_report.RESULTS,
                         help="folder for bench.json and the plots")
     parser.add_argument("--report", type=Path, default=Path("BENCHMARKS_SERVING.md"))
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bench"),

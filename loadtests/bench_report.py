@@ -1,7 +1,7 @@
 """The benchmark's outputs: a markdown report and PNG plots, from the results JSON alone.
 
     python -m iterserve.loadtests.bench_report loadtests/studies/static_vs_continuous/results/bench.json \
-        --markdown BENCHMARKS_SERVING.md --plots loadtests/results
+        --markdown BENCHMARKS_SERVING.md --plots loadtests/studies/static_vs_continuous/results
 
 so a report can be regenerated (or restyled) without rerunning the benchmark.
 """
@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.loadtests.bench_stats import FloorCheck, compare
+
+# The committed figures (static vs continuous), relative to a checkout's root.
+RESULTS = Path("loadtests/studies/static_vs_continuous/results")
 
 MODES = ("static", "continuous")
 PLOT_FILES = {
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path)
     parser.add_argument("--markdown", type=Path, default=Path("BENCHMARKS_SERVING.md"))
-    parser.add_argument("--plots", type=Path, default=Path("loadtests/results"))
+    parser.add_argument("--plots", type=Path, default=RESULTS)
     parser.add_argument("--note", action="append", default=[],
                         help="an extra line for the Notes section (the JSON is not changed)")
     args = parser.parse_args(argv)

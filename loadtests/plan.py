@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="iterserve plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="JSONL or CSV trace (cluster_trace)")
+    source.add_argument("--trace", type=Path, help="JSONL or CSV trace (sim/traces.py)")
     source.add_argument("--workload", choices=sorted(WORKLOADS))
     parser.add_argument("--rate", type=float, default=10.0, help="requests/s (--workload)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds (--workload)")

@@ -1,4 +1,4 @@
-"""Stateful `RoutingPolicy` wrappers of the cache-aware baselines in `baselines_routers`.
+"""Stateful `RoutingPolicy` wrappers of the cache-aware baselines in `baseline_routers`.
 
 Each keeps what its original keeps, fed only by the `on_*` hooks: a prefix history of the
 prompts it routed (llm-d approximate prefix, Ray's prefix tree, SGLang's approximate tree,

@@ -26,7 +26,7 @@ cluster does to them, as Ray Serve does:
   `ReplicaView.cached_prefix_tokens` asks the replica's prefix cache as it is now (the
   real path would answer from the block hashes of its last stats report), and
   `RoutingContext.prefix_cache` gives every replica's answer in one call
-  (`cluster_sim_prefix.ClusterPrefixCache`: a cluster-wide index of who was sent each
+  (`sim.prefix.ClusterPrefixCache`: a cluster-wide index of who was sent each
   first block, so most queries cost one lookup, not one per replica);
 * max_ongoing_requests: a replica with that many requests in flight is not offered; when
   none is free the request waits at its router and is retried as soon as one frees up;

@@ -21,7 +21,7 @@ class ClusterSimConfig:
     router), metrics_push_interval_s and look_back_period_s (the autoscaler sees the mean
     over the window), autoscale_interval_s (the controller's loop), startup_delay_s (scale
     decision to serving: model load, compile, warm-up). fast_forward: advance replicas
-    through pure-decode stretches in one jump (same results; see cluster_sim_replica).
+    through pure-decode stretches in one jump (same results; see simulated_replica).
 
     Ray path latency outside the replicas (0: none; measure them with
     loadtests/ray_path_latency): dispatch_latency_s from the router's choice to the replica

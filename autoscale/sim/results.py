@@ -52,7 +52,7 @@ class SimResult:
 
     replicas_over_time: (t, running, starting, draining) at every change. gpu_seconds:
     replica-seconds from scale decision to stop (a starting GPU is paid for). itl_counts:
-    every inter-token gap of every request, rounded to cluster_sim_itl.ITL_RESOLUTION_S, as {gap: count}.
+    every inter-token gap of every request, rounded to sim.itl.ITL_RESOLUTION_S, as {gap: count}.
     """
 
     records: list[RequestRecord]

@@ -8,7 +8,7 @@ arrives, a stats poll); `wake_time` says when it must be called next.
 
 Fast path (config.fast_forward, for the fcfs / continuous / chunked-prefill scheduler).
 The decodes of a step need no per-request work except at block boundaries and at their
-last token (`cluster_sim_decodes.DecodeCohort`), so they are advanced lazily, and the
+last token (`sim.decodes.DecodeCohort`), so they are advanced lazily, and the
 production scheduler schedules only the rest: the running prefills and the admissions. It
 runs on the running list without the decodes and with the budget and the batch slots the
 decodes leave (max_num_batched_tokens - n, max_num_seqs - n), which is what its own loop
@@ -64,7 +64,7 @@ def kv_blocks_for(config: ClusterSimConfig) -> int:
 class VirtualClock:
     """A replica's virtual time, which its scheduler reads. Not a bound method of the
     replica: that would make replica <-> scheduler a reference cycle, which only the cyclic
-    collector frees (the simulator pauses it: see cluster_sim_state.cyclic_gc_paused)."""
+    collector frees (the simulator pauses it: see sim.state.cyclic_gc_paused)."""
 
     __slots__ = ("now",)
 

@@ -1,5 +1,6 @@
 """Every import path users were given still imports: the ones the Serve configs, the KubeRay
-manifest and the README name today, and the ones they named before files moved (issue 36).
+manifest, the README, the benchmark and reliability reports and the studies' READMEs name
+today, and the ones they named before files moved (issue 36).
 
 A path is `module:attribute`, `module.attribute` or `module` (e.g. `python -m module`); it
 resolves when the longest importable prefix is a module and the rest are its attributes.
@@ -15,7 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [*sorted((ROOT / "deploy/configs").glob("*.yaml")),
-             *sorted((ROOT / "deploy/kuberay").glob("*.yaml")), ROOT / "README.md"]
+             *sorted((ROOT / "deploy/kuberay").glob("*.yaml")), ROOT / "README.md",
+             ROOT / "BENCHMARKS.md", ROOT / "BENCHMARKS_SERVING.md", ROOT / "RELIABILITY.md",
+             *sorted((ROOT / "loadtests/studies").glob("**/README.md"))]
 # Published before issue 36 moved their files; kept as re-exports.
 BEFORE_THE_MOVE = [
     "iterserve.autoscale.policy:KVAutoscalingPolicy",

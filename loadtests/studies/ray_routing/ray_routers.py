@@ -12,7 +12,7 @@ the token-level match length and its tenant sizes are in tokens. Everything else
 tree actor, imbalance check, match-rate threshold, smallest-tenant fallback, power-of-two
 fallback, queue-length probing, exact-match hand-off) is Ray's code, with its defaults.
 
-`RoutingPolicyRouter`: any `RoutingPolicy` of `autoscale.baselines_routers*` (the policies
+`RoutingPolicyRouter`: any `RoutingPolicy` of `autoscale.sim.baseline_*routers` (the policies
 the cluster simulator and the tournament run) inside Ray's handle, so a reimplementation
 runs on the real path beside the original. It fills each `ReplicaView` as the simulator
 does: load from the replica's routing stats, ongoing = this router's own requests in

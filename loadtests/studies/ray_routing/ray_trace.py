@@ -1,14 +1,14 @@
-"""A recorded trace as the Ray experiments' requests (`WorkloadRequest`s for `sim_harness.drive`).
+"""A recorded trace as the Ray experiments' requests (`WorkloadRequest`s for `ray_harness.drive`).
 
     specs = trace_specs(*read_trace_turns(path), Vocabulary.of_engine(engine_kwargs),
                         time_scale=5.0)
 
-The cluster simulator replays a trace with synthetic token ids (`cluster_trace`); a real
+The cluster simulator replays a trace with synthetic token ids (`sim/traces.py`); a real
 engine takes ids inside its vocabulary, so each synthetic id is mapped to one there (a hash:
 prompts that share a block still share it, and distinct blocks collide with negligible
 chance). A chat's next turn holds its previous turn's answer: on the real path that is the
 tokens the replica's simulated runner samples for the previous request, which are fixed by
-its sampling seed (`sim_harness.request_seed`, `sim_runner.sim_output_tokens`), so the
+its sampling seed (`ray_harness.request_seed`, `sim_runner.sim_output_tokens`), so the
 replica's prefix cache finds the whole conversation, as the simulator's does.
 
 Arrival times are multiplied by time_scale (the experiments slow the simulated GPU by it, so
@@ -54,7 +54,7 @@ class Vocabulary:
 def trace_specs(requests: Sequence[WorkloadRequest], parents: Sequence[int | None],
                 vocabulary: Vocabulary, time_scale: float = 1.0, speed: float = 1.0
                 ) -> list[WorkloadRequest]:
-    """The trace's requests (`cluster_trace.read_trace_turns`) for a real engine: prompts
+    """The trace's requests (`traces.read_trace_turns`) for a real engine: prompts
     in its vocabulary, a next turn holding its previous turn's prompt and real answer."""
     if not speed > 0 or not time_scale > 0:
         raise ValueError("time_scale and speed must be > 0")

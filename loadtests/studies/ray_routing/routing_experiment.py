@@ -11,13 +11,13 @@ no HTTP proxy or ingress spends the 2 CPUs. The workload, engine settings and si
 are identical across arms. Writes loadtests/studies/ray_routing/results/routing.md, routing.json and
 routing_kv.png (per-replica KV usage over time), routing_ttft.png.
 
---trace FILE replays a recorded trace (`cluster_trace` formats) in place of the generated
+--trace FILE replays a recorded trace (`sim/traces.py` formats) in place of the generated
 workload, its arrival times stretched by --time-scale (the simulated GPU is that much
 slower) and divided by --trace-speed (`ray_trace`); the results record the trace, so that
 `sim_validation` replays the same requests.
 
 The load-driving harness (`drive`, `ReplicaStatsPoller`, `start_ray`) lives in
-`sim_harness`, shared with `autoscale_experiment` and the Ray integration tests.
+`ray_harness`, shared with `autoscale_experiment` and the Ray integration tests.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def iterserve_router_config(name: str, period_s: float) -> RouterConfig | None:
 
 
 # Ray's own prefix-cache router and our reimplementation of it (the tournament's
-# "ray-prefix", `autoscale.baselines_routers_cache`), side by side (see `ray_routers`).
+# "ray-prefix", `autoscale.sim.baseline_cache_routers`), side by side (see `ray_routers`).
 COMPARISON_ARMS = ("ray-prefix (ours)", "PrefixCacheAffinityRouter (Ray 2.60)")
 # KVAware + prefix without the replicas' cache reports: the router as the Ray adapter ran
 # before the replicas sent their block hashes (appended: the other arms keep their indices).

@@ -38,7 +38,7 @@ router; the CI smoke test (tests/unit/test_tournament_quick.py) runs it.
 tournament.md judges); `--seed 1 --capacity-from results/tournament.json --out DIR` runs
 seed 1's cells at seed 0's rates, and `tournament_seeds` judges the floors seed by seed.
 
---trace FILE replays a recorded trace (`cluster_trace`: our JSONL, Mooncake's JSONL or
+--trace FILE replays a recorded trace (`sim/traces.py`: our JSONL, Mooncake's JSONL or
 Azure's CSV) in place of the generated workloads: every router at every --sizes, once per
 --trace-speeds factor (1: as recorded; 2: every arrival time halved, the same requests at
 twice the rate) and once per --trace-loads fraction of the trace's capacity (probed as the

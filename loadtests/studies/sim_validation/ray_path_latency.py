@@ -12,7 +12,7 @@ DeploymentHandle, deploy's `LLMReplica` actors, runner=simulated) a request also
   return:   the engine's output reaching the replica's event loop and the streaming
             generator's hop back to the driver (engine first token -> driver receives it).
 Both come from timestamps (CLOCK_MONOTONIC is shared by every process on the machine):
-`ClientRecord.dispatch_latency` / `.return_latency` in `sim_harness`.
+`ClientRecord.dispatch_latency` / `.return_latency` in `ray_harness`.
 
 This probe measures them where nothing queues: the experiment's 4 replicas and engine
 settings, one request at a time (an idle replica, no batch mates), short prompts without

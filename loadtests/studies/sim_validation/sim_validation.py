@@ -4,7 +4,7 @@
         [--ray-path-latency loadtests/studies/sim_validation/results/ray_path_latency.json]
 
 Replays `routing_experiment`'s workload (same seed and WorkloadConfig as the Ray results
-file records) through `autoscale.cluster_sim` with the same engine settings (max_num_seqs,
+file records) through `autoscale.sim.cluster` with the same engine settings (max_num_seqs,
 token budget, block size, KV blocks, max_model_len), the same cost model slowed down by the
 experiment's time_scale, one ingress router (the experiment's driver handle), the same
 routing-stats period, and the same routers: Ray's power-of-two (`PowerOfTwo` below: two
@@ -113,7 +113,7 @@ def workload_of(meta: dict[str, Any]) -> list[WorkloadRequest]:
     trace it replayed (the file must be the one it recorded) at its arrival times, which
     `ray_trace` stretched by the time scale and divided by the speed. A chat's next turn
     holds the previous answer on both paths: there the runner's seeded tokens, here the
-    simulated replica's (`cluster_trace`), the same blocks shared either way."""
+    simulated replica's (`sim/traces.py`), the same blocks shared either way."""
     workload = meta["workload"]
     if "trace" not in workload:
         return sim_workload(WorkloadConfig(**{k: tuple(v) if isinstance(v, list) else v

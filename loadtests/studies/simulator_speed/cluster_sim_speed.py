@@ -6,7 +6,7 @@
 
 Load is relative to the capacity of one simulated replica on the workload (requests/s it
 completes when saturated, measured first on one replica), times the replica count.
---router iterserve is the production router (`iterserve_routing.IterserveRouter`: the
+--router iterserve is the production router (`iterserve_router.IterserveRouter`: the
 `KVRouterCore` the Ray adapter calls, with the replicas' own prefix-cache answers), one per
 ingress router; --autoscaler runs the production autoscaling policy every
 autoscale_interval_s on pushed metrics, its bounds pinned at N so that the run stays at N
