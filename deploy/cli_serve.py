@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="iterserve serve", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accepted Bearer key (repeatable; also env ITERSERVE_API_KEYS)")
     add_app_flags(parser.add_argument_group("deployment"))

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="comma-separated levels (default 1,4,16,64,128)")
     parser.add_argument("--quick", action="store_true",
                         help="levels 1,4,16 and fewer requests: a smoke run")
-    parser.add_argument("--modes", default="static,continuous")
+    parser.add_argument("--modes", default="static,continuous",
+                        help="comma-separated batching modes to run side by side (static, continuous)")
     parser.add_argument("--static-url", default=None, help="use this server for static")
     parser.add_argument("--continuous-url", default=None, help="use this server for continuous")
     parser.add_argument("--serve-args", default="",
@@ -147,19 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait-for-load", type=float, default=None, metavar="LOAD",
                         help="before each mode, wait until the 1-minute load average is at "
                              "most LOAD (a shared machine), for up to --wait-timeout-s")
-    parser.add_argument("--wait-timeout-s", type=float, default=600.0)
-    parser.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"))
+    parser.add_argument("--wait-timeout-s", type=float, default=600.0,
+                        help="with --wait-for-load: give up waiting for a quiet machine after this")
+    parser.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
+                        help="Bearer key for the servers (default: $ITERSERVE_API_KEY)")
     parser.add_argument("--requests-per-slot", type=int, default=2,
                         help="requests per level = this x concurrency, within the bounds below")
-    parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--max-requests", type=int, default=256)
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="fewest requests a concurrency level sends")
+    parser.add_argument("--max-requests", type=int, default=256,
+                        help="most requests a concurrency level sends")
     parser.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"],
                         metavar="NAME:MS", help="SLOs for goodput (ttft, tpot, e2e; ms)")
     parser.add_argument("--sample-interval", type=float, default=0.5,
                         help="seconds between /metrics samples")
     parser.add_argument("--out", type=Path, default=bench_report.RESULTS,
                         help="folder for bench.json and the plots")
-    parser.add_argument("--report", type=Path, default=Path("BENCHMARKS_SERVING.md"))
+    parser.add_argument("--report", type=Path, default=Path("BENCHMARKS_SERVING.md"),
+                        help="where the markdown report is written")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bench"),
                         help="server logs of the deployments bench starts")
     parser.add_argument("--check-floors", action="store_true",

@@ -197,9 +197,10 @@ def write_report(results: dict[str, Any], markdown_path: Path, plots_dir: Path) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--markdown", type=Path, default=Path("BENCHMARKS_SERVING.md"))
-    parser.add_argument("--plots", type=Path, default=RESULTS)
+    parser.add_argument("results", type=Path, help="bench.json written by iterserve bench")
+    parser.add_argument("--markdown", type=Path, default=Path("BENCHMARKS_SERVING.md"),
+                        help="where the markdown report is written")
+    parser.add_argument("--plots", type=Path, default=RESULTS, help="folder for the PNG plots")
     parser.add_argument("--note", action="append", default=[],
                         help="an extra line for the Notes section (the JSON is not changed)")
     args = parser.parse_args(argv)

@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=24)
-    parser.add_argument("--max-prompt", type=int, default=4096)
-    parser.add_argument("--max-batch", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--rounds", type=int, default=24,
+                        help="batches to run (each a random mix of prefills and decodes)")
+    parser.add_argument("--max-prompt", type=int, default=4096, help="longest prompt, in tokens")
+    parser.add_argument("--max-batch", type=int, default=256, help="largest batch of decodes")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and batch sizes")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the fitted CostModel as JSON here (what plan --gpu reads)")
     args = parser.parse_args(argv)
     kwargs: dict[str, Any] = {"device": args.device, "max_model_len": args.max_prompt + 256}
     if args.model:

@@ -67,23 +67,31 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--model", default="", env_var="LOCUST_MODEL",
                        help="model name (default: the first of GET /v1/models)")
     group.add_argument("--api-key", default="", env_var="OPENAI_API_KEY", help="bearer key")
-    group.add_argument("--workload-seed", type=int, default=0, env_var="LOCUST_WORKLOAD_SEED")
+    group.add_argument("--workload-seed", type=int, default=0, env_var="LOCUST_WORKLOAD_SEED",
+                       help="seed of the seeded workload (same seed, same requests as bench)")
     group.add_argument("--workload-size", type=int, default=1024,
                        help="requests generated; users cycle through them")
     group.add_argument("--prompt-buckets", default="short:16-64:0.5,medium:128-384:0.3,"
                        "long:512-1024:0.2", help="name:low-high:weight,...")
     group.add_argument("--output-lengths", default="exponential:128:8-512",
                        help="fixed:N | uniform:LO-HI | exponential:MEAN:LO-HI")
-    group.add_argument("--vocab-size", type=int, default=4096)
-    group.add_argument("--step-users", type=int, default=4)
+    group.add_argument("--vocab-size", type=int, default=4096,
+                       help="prompt token ids are drawn below this")
+    group.add_argument("--step-users", type=int, default=4, help="--shape step: users added at each step")
     group.add_argument("--step-time", type=float, default=10.0, help="seconds per step")
-    group.add_argument("--step-max-users", type=int, default=32)
-    group.add_argument("--spike-base-users", type=int, default=2)
-    group.add_argument("--spike-users", type=int, default=32)
-    group.add_argument("--spike-at", type=float, default=10.0)
-    group.add_argument("--spike-duration", type=float, default=10.0)
+    group.add_argument("--step-max-users", type=int, default=32,
+                       help="--shape step: the most users it climbs to")
+    group.add_argument("--spike-base-users", type=int, default=2,
+                       help="--shape spike: users before and after the spike")
+    group.add_argument("--spike-users", type=int, default=32,
+                       help="--shape spike: users during the spike")
+    group.add_argument("--spike-at", type=float, default=10.0,
+                       help="--shape spike: seconds into the run when the spike starts")
+    group.add_argument("--spike-duration", type=float, default=10.0,
+                       help="--shape spike: seconds the spike lasts")
     group.add_argument("--poisson-rate", type=float, default=2.0, help="requests per second")
-    group.add_argument("--poisson-max-users", type=int, default=64)
+    group.add_argument("--poisson-max-users", type=int, default=64,
+                       help="--shape poisson: users available to send at the Poisson times")
     group.add_argument("--raw-csv", default="", help="write one row per request here")
 
 

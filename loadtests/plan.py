@@ -54,17 +54,23 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="JSONL or CSV trace (sim/traces.py)")
-    source.add_argument("--workload", choices=sorted(WORKLOADS))
+    source.add_argument("--workload", choices=sorted(WORKLOADS),
+                        help="a named workload shape of the simulator")
     parser.add_argument("--rate", type=float, default=10.0, help="requests/s (--workload)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds (--workload)")
-    parser.add_argument("--slo", type=slo_argument, default=Slo())
-    parser.add_argument("--gpu", type=gpu_config, default=SimulatorConfig.preset("h100"))
-    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve")
+    parser.add_argument("--slo", type=slo_argument, default=Slo(),
+                        help="ttft_p99=SECONDS,itl_p99=SECONDS to meet (default 2 and 0.1)")
+    parser.add_argument("--gpu", type=gpu_config, default=SimulatorConfig.preset("h100"),
+                        help="h100, h200 (Llama-3-8B bf16 presets) or a JSON file of CostModel / "
+                             "SimulatorConfig fields")
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve",
+                        help="the router each ingress runs")
     parser.add_argument("--routers", type=int, default=2, help="ingress routers")
-    parser.add_argument("--max-replicas", type=int, default=256)
+    parser.add_argument("--max-replicas", type=int, default=256,
+                        help="stop searching at this many replicas")
     parser.add_argument("--hash-block-size", type=int, default=None,
                         help="tokens per trace hash id (default: the trace's, else 16)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the simulator")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.trace is not None:

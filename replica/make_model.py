@@ -309,9 +309,11 @@ def train_tokenizer(path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", nargs="?", help="output checkpoint folder")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--arch", choices=sorted(ARCHES), default=DEFAULT_ARCH)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random weights")
+    parser.add_argument("--arch", choices=sorted(ARCHES), default=DEFAULT_ARCH,
+                        help="model family whose config and tensor names the checkpoint uses")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                        help="size preset (layers, hidden size, heads, vocabulary)")
     parser.add_argument("--train-tokenizer", metavar="PATH",
                         help="re-train the byte-level BPE tokenizer into PATH and exit")
     args = parser.parse_args(argv)

@@ -262,10 +262,12 @@ async def run(load: StepLoad, scaling: AutoscaleConfig, engine_kwargs: dict[str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the step-load workload")
     parser.add_argument("--quick", action="store_true", help="shorter phases (smoke run)")
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
-    parser.add_argument("--out", default=str(results_of("autoscaling_step_load")))
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                        help="slow-motion factor of the simulated GPU (every arm alike)")
+    parser.add_argument("--out", default=str(results_of("autoscaling_step_load")),
+                        help="folder for autoscale.md, .json and .png")
     args = parser.parse_args(argv)
     load = StepLoad(seed=args.seed)
     if args.quick:

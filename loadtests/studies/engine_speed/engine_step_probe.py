@@ -42,10 +42,11 @@ def probe(batch_sizes: list[int], max_tokens: int, prompt_len: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", default="1,16,64")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-sizes", default="1,16,64",
+                        help="comma-separated batch sizes to time a step at")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each request")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     print("batch  ms/step  output tok/s")

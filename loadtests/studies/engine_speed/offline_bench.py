@@ -225,15 +225,19 @@ def print_table(rounds: dict[str, list[ThroughputResult | None]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["all", "sched", "async", "throughput"], default="all")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part", choices=["all", "sched", "async", "throughput"], default="all",
+                        help="which part to run: scheduler overhead, async vs sync, throughput, or "
+                             "all")
+    parser.add_argument("--num-requests", type=int, default=64,
+                        help="requests in the throughput workload")
+    parser.add_argument("--concurrency", type=int, default=32,
+                        help="requests in flight at once (the batch)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the throughput workload")
     parser.add_argument("--model", default=None,
                         help="GGUF file, checkpoint folder or iterserve-tiny (default: built-in)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads for every contender (default: every core)")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out the HF transformers contenders")
     parser.add_argument("--also-bf16", action="store_true", help="add iterserve continuous, bf16")
     parser.add_argument("--also-one-thread", action="store_true",
                         help="add iterserve continuous on one torch thread")

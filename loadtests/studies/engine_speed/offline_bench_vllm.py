@@ -56,10 +56,12 @@ def run(model_dir: str, workload_file: str, concurrency: int, max_batched_tokens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model-dir", required=True,
+                        help="the fp32 HF checkpoint offline_bench wrote for vLLM")
     parser.add_argument("--workload", required=True, help="JSON list of requests")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=32, help="vLLM's max_num_seqs")
+    parser.add_argument("--max-batched-tokens", type=int, default=512,
+                        help="vLLM's max_num_batched_tokens")
     args = parser.parse_args()
     result = run(args.model_dir, args.workload, args.concurrency, args.max_batched_tokens)
     print(json.dumps(result), flush=True)

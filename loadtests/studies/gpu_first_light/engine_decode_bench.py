@@ -143,7 +143,7 @@ def bench_engine_decode(copy_bw: float) -> list[list[object]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="write the table here as markdown as well")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("engine_decode_bench needs a CUDA GPU; none is visible.", file=sys.stderr)

@@ -341,7 +341,8 @@ def write_report(out: Path, rows: list[list[str]], seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/first_light"))
+    parser.add_argument("--out", type=Path, default=Path("runs/first_light"),
+                        help="folder for report.md and every stage's output")
     parser.add_argument("--dry-run", action="store_true", help="CPU, small settings (CI)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():

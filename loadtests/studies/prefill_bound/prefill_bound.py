@@ -144,12 +144,13 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="multi-tenant")
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--load", type=float, default=0.5)
+    p.add_argument("--workload", default="multi-tenant", help="the tournament workload of the cell")
+    p.add_argument("--replicas", type=int, default=8, help="the cell's replicas")
+    p.add_argument("--load", type=float, default=0.5, help="the cell's load (fraction of capacity)")
     p.add_argument("--cost-scale", type=float, default=None,
                    help="every cost coefficient times this (a sensitivity cell)")
-    p.add_argument("--tournament", type=Path, default=results_of("router_tournament") / "tournament.json")
+    p.add_argument("--tournament", type=Path, default=results_of("router_tournament") / "tournament.json",
+                   help="the tournament store whose capacities and cells it reads")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     cells = find_cells(json.loads(args.tournament.read_text()), args.workload,

@@ -76,8 +76,9 @@ def compare(prompts: Sequence[Sequence[int]], num_replicas: int = 4, block_size:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=840.0)
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=840.0,
+                        help="seconds of the routing experiment's workload to replay")
+    parser.add_argument("--replicas", type=int, default=4, help="replicas both routers choose among")
     parser.add_argument("--seeds", type=int, default=3, help="workload seeds")
     args = parser.parse_args(argv)
     for seed in range(args.seeds):

@@ -401,19 +401,24 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
     parser.add_argument("--duration", type=float, default=60.0, help="workload seconds")
     parser.add_argument("--quick", action="store_true", help="20 s workload (smoke run)")
-    parser.add_argument("--num-replicas", type=int, default=4)
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
-    parser.add_argument("--stats-period", type=float, default=0.5)
-    parser.add_argument("--out", default=str(results_of("ray_routing")))
+    parser.add_argument("--num-replicas", type=int, default=4, help="simulated replicas per arm")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                        help="slow-motion factor of the simulated GPU (every arm alike)")
+    parser.add_argument("--stats-period", type=float, default=0.5,
+                        help="seconds between the replicas' routing stats")
+    parser.add_argument("--out", default=str(results_of("ray_routing")),
+                        help="folder for routing.md, .json and the plots")
     parser.add_argument("--arms", default="0,1,2", help="indices into " + ", ".join(ARMS))
     parser.add_argument("--num-prefixes", type=int, default=WorkloadConfig.num_prefixes,
                         help="shared prompt prefixes (tenants' system prompts)")
-    parser.add_argument("--prefix-len", type=int, default=WorkloadConfig.prefix_len)
+    parser.add_argument("--prefix-len", type=int, default=WorkloadConfig.prefix_len,
+                        help="tokens of each shared system prompt")
     parser.add_argument("--prefix-fraction", type=float,
-                        default=WorkloadConfig.prefix_fraction)
+                        default=WorkloadConfig.prefix_fraction,
+                        help="share of requests that start with a shared system prompt")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per arm, in alternating order; latencies pooled")
     parser.add_argument("--trace", type=Path, default=None,

@@ -253,12 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     storm = sub.add_parser("disconnect", help="disconnect storm with reference comparison")
-    storm.add_argument("--url", default="http://127.0.0.1:8000")
-    storm.add_argument("--api-key", default="")
-    storm.add_argument("--cancelled", type=int, default=200)
-    storm.add_argument("--normal", type=int, default=24)
-    storm.add_argument("--seed", type=int, default=0)
-    storm.add_argument("--timeout", type=float, default=600.0)
+    storm.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    storm.add_argument("--api-key", default="", help="Bearer key, if the server wants one")
+    storm.add_argument("--cancelled", type=int, default=200,
+                       help="streaming requests dropped at random points")
+    storm.add_argument("--normal", type=int, default=24,
+                       help="requests that run to the end, checked against a reference run")
+    storm.add_argument("--seed", type=int, default=0, help="seed of the drop points")
+    storm.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds a request may take before it counts as hung")
     args = parser.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     result = asyncio.run(disconnect_storm(args.url, headers, args.cancelled, args.normal,

@@ -157,12 +157,15 @@ def finished_totals(views: dict[str, ReplicaView]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--hangups", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=400)
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--wait-s", type=float, default=20.0)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--hangups", type=int, default=96,
+                        help="streams hung up mid-answer before the comparison")
+    parser.add_argument("--max-tokens", type=int, default=400, help="tokens each stream asks for")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX,
+                        help="the metric names' prefix (iterserve: or vllm:)")
+    parser.add_argument("--api-key", default=None, help="Bearer key, if the server wants one")
+    parser.add_argument("--wait-s", type=float, default=20.0,
+                        help="seconds to wait for /metrics and the engines to agree")
     args = parser.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     outcomes = asyncio.run(hangup_storm(args.url, args.hangups, args.max_tokens, headers))

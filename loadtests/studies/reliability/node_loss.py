@@ -342,12 +342,14 @@ def run_node_loss(clients: int = 8, max_tokens: int = 150, load_before_s: float 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=150)
-    parser.add_argument("--down-s", type=float, default=20.0)
+    parser.add_argument("--clients", type=int, default=8,
+                        help="closed-loop streaming clients during the run")
+    parser.add_argument("--max-tokens", type=int, default=150, help="tokens each stream asks for")
+    parser.add_argument("--down-s", type=float, default=20.0, help="seconds the worker node stays down")
     parser.add_argument("--probe-clients", type=int, default=0,
                         help="extra clients of short streams: frequent routing decisions")
-    parser.add_argument("--probe-tokens", type=int, default=16)
+    parser.add_argument("--probe-tokens", type=int, default=16,
+                        help="tokens of each --probe-clients stream")
     parser.add_argument("--autoscale", action="store_true",
                         help='num_replicas="auto" (min 2, max 4) instead of 2')
     parser.add_argument("--temp-dir", default=None,

@@ -127,13 +127,16 @@ async def overload(base_url: str, headers: dict[str, str] | None = None, factor:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterserve.loadtests.studies.reliability.overload",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default="")
-    parser.add_argument("--factor", type=float, default=3.0)
-    parser.add_argument("--duration", type=float, default=20.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--capacity-seconds", type=float, default=10.0)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--api-key", default="", help="Bearer key, if the server wants one")
+    parser.add_argument("--factor", type=float, default=3.0,
+                        help="offer this multiple of the measured capacity")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of overload")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request asks for")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="closed-loop clients that measure the capacity")
+    parser.add_argument("--capacity-seconds", type=float, default=10.0,
+                        help="seconds the capacity is measured for")
     args = parser.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     result = asyncio.run(overload(args.url, headers, args.factor, args.duration, args.max_tokens,

@@ -194,9 +194,11 @@ def run_serve_deploy_disruption(clients: int = 8, max_tokens: int = 120,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=120)
-    parser.add_argument("--long-tokens", type=int, default=1500)
+    parser.add_argument("--clients", type=int, default=8,
+                        help="closed-loop streaming clients during the redeploys")
+    parser.add_argument("--max-tokens", type=int, default=120, help="tokens each stream asks for")
+    parser.add_argument("--long-tokens", type=int, default=1500,
+                        help="tokens of the one long stream that must survive a redeploy")
     parser.add_argument("--temp-dir", default=None,
                         help="Ray's temp folder for this cluster (default /tmp/ray)")
     parser.add_argument("--json", default=None, help="write the result here too")

@@ -199,16 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterserve.loadtests.studies.reliability.soak",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="Locust run time, s")
-    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--users", type=int, default=4, help="Locust users")
     parser.add_argument("--warmup", type=float, default=60.0, help="RSS baseline starts here")
-    parser.add_argument("--sample-interval", type=float, default=2.0)
+    parser.add_argument("--sample-interval", type=float, default=2.0,
+                        help="seconds between replica RSS samples")
     parser.add_argument("--max-rss-growth", type=float, default=5.0, help="percent")
-    parser.add_argument("--runner", choices=("model", "simulated"), default="model")
-    parser.add_argument("--num-replicas", type=int, default=1)
-    parser.add_argument("--prompt-buckets", default="short:16-64:0.7,medium:64-160:0.3")
-    parser.add_argument("--output-lengths", default="uniform:16-64")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/soak")
+    parser.add_argument("--runner", choices=("model", "simulated"), default="model",
+                        help="the real model or the simulated runner")
+    parser.add_argument("--num-replicas", type=int, default=1, help="model replicas")
+    parser.add_argument("--prompt-buckets", default="short:16-64:0.7,medium:64-160:0.3",
+                        help="name:low-high:weight,... of the workload")
+    parser.add_argument("--output-lengths", default="uniform:16-64",
+                        help="fixed:N | uniform:LO-HI | exponential:MEAN:LO-HI")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument("--out", default="runs/soak",
+                        help="folder for the Locust CSVs, RSS samples and the summary")
     args = parser.parse_args(argv)
     engine_kwargs: dict[str, Any] = {"max_model_len": 256, "num_gpu_blocks_override": 128,
                                      "max_num_seqs": 8, "runner": args.runner}

@@ -107,12 +107,15 @@ def floor_lines(stores: Sequence[dict[str, Any]], sizes: Sequence[int], kind: st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stores", nargs="+", type=Path, help="tournament.json files")
-    parser.add_argument("--arm", required=True, choices=sorted(ROUTERS))
+    parser.add_argument("--arm", required=True, choices=sorted(ROUTERS),
+                        help="the router to rerun in iterserve's cells")
     parser.add_argument("--sync", type=float, default=None,
                         help="router sync delay (s): routers hear each other's sends")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--kind", choices=("router", "sensitivity"), default="router")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32],
+                        help="replica counts whose cells are rerun")
+    parser.add_argument("--kind", choices=("router", "sensitivity"), default="router",
+                        help="the stores' router cells or their cost-sensitivity cells")
+    parser.add_argument("--jobs", type=int, default=2, help="cells simulated in parallel")
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--store", type=Path, help="write the arm's cells here (JSON)")
     args = parser.parse_args(argv)

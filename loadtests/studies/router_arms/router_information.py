@@ -81,16 +81,22 @@ def table(rows: dict[str, dict[int, float]], seeds: Sequence[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--load", type=float, required=True)
-    parser.add_argument("--cost-scale", type=json.loads, default=None)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--router", default="iterserve", choices=sorted(ROUTERS))
+    parser.add_argument("--workload", required=True, help="the tournament workload of the cell")
+    parser.add_argument("--replicas", type=int, default=8, help="the cell's replicas")
+    parser.add_argument("--load", type=float, required=True,
+                        help="the cell's load (fraction of capacity)")
+    parser.add_argument("--cost-scale", type=json.loads, default=None,
+                        help="JSON cost factors of a sensitivity cell, e.g. '{\"*\": 2.0}'")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="workload and simulator seeds")
+    parser.add_argument("--router", default="iterserve", choices=sorted(ROUTERS),
+                        help="the router every ingress runs")
     parser.add_argument("--variants", type=parse_variant, nargs="+",
                         default=[(NUM_INGRESS_ROUTERS, 0.5, None), (1, 0.5, None),
                                  (2, 0.05, None), (1, 0.01, None),
-                                 (NUM_INGRESS_ROUTERS, 0.5, 0.01)])
+                                 (NUM_INGRESS_ROUTERS, 0.5, 0.01)],
+                        help="ROUTERS:STATS_PERIOD[:SYNC_DELAY] each: ingress routers, seconds "
+                             "between routing stats, router sync delay")
     parser.add_argument("--store", type=Path, default=results_of("router_tournament") / "tournament.json",
                         help="tournament store whose capacity cache sets the rate")
     args = parser.parse_args(argv)

@@ -220,30 +220,41 @@ def run_all(cells: list[dict[str, Any]], jobs: int, store: dict[str, Any], out: 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="the CI smoke run: 8 replicas, 60 virtual s, one workload, every router")
     p.add_argument("--estimate", action="store_true",
                    help="print the cells to run and their estimated CPU time, run nothing")
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=2, help="cells simulated in parallel")
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload and simulator seed (0: the seed tournament.md judges)")
     p.add_argument("--only", choices=("routers", "big", "sensitivity", "autoscalers"),
-                   action="append")
-    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    p.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
-    p.add_argument("--loads", nargs="*", type=float, default=list(LOADS))
-    p.add_argument("--routers", nargs="*", default=list(ROUTERS))
+                   action="append", help="run only these parts of the matrix (repeatable)")
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS),
+                   help="workloads of the router cells")
+    p.add_argument("--sizes", nargs="*", type=int, default=list(SIZES),
+                   help="replica counts of the router cells")
+    p.add_argument("--loads", nargs="*", type=float, default=list(LOADS),
+                   help="loads (fractions of capacity) of the router cells")
+    p.add_argument("--routers", nargs="*", default=list(ROUTERS), help="routers to run")
     p.add_argument("--duration", type=float, default=None,
                    help="virtual seconds per router cell (default: enough for "
                    f"{MIN_REQUESTS} requests, at least {MIN_DURATION_S[8]:.0f} s at 8 replicas)")
-    p.add_argument("--big-workloads", nargs="*", default=list(BIG_WORKLOADS))
-    p.add_argument("--big-sizes", nargs="*", type=int, default=list(BIG_SIZES))
-    p.add_argument("--big-loads", nargs="*", type=float, default=list(LOADS))
-    p.add_argument("--sensitivity-workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--big-workloads", nargs="*", default=list(BIG_WORKLOADS),
+                   help="workloads of the 64- and 128-replica cells")
+    p.add_argument("--big-sizes", nargs="*", type=int, default=list(BIG_SIZES),
+                   help="replica counts of the big cells")
+    p.add_argument("--big-loads", nargs="*", type=float, default=list(LOADS),
+                   help="loads of the big cells")
+    p.add_argument("--sensitivity-workloads", nargs="*", default=list(WORKLOADS),
+                   help="workloads run with the cost model scaled x0.5 and x2")
     p.add_argument("--autoscale-loads", nargs="*", type=float, default=list(AUTOSCALE_LOADS),
                    help="diurnal mean rates as fractions of 8 replicas' capacity")
     p.add_argument("--autoscale-durations", nargs="*", type=float,
-                   default=list(AUTOSCALE_DURATIONS_S))
-    p.add_argument("--autoscale-seeds", nargs="*", type=int, default=list(AUTOSCALE_SEEDS))
-    p.add_argument("--out", type=Path, default=results_of("router_tournament"))
+                   default=list(AUTOSCALE_DURATIONS_S), help="virtual seconds of the autoscaler cells")
+    p.add_argument("--autoscale-seeds", nargs="*", type=int, default=list(AUTOSCALE_SEEDS),
+                   help="seeds of the autoscaler cells")
+    p.add_argument("--out", type=Path, default=results_of("router_tournament"),
+                   help="folder for the store (.json), the report (.md) and the plots")
     p.add_argument("--capacity-from", type=Path, default=None,
                    help="take the capacities this store probed (another seed's cells then "
                    "run at the same rates)")

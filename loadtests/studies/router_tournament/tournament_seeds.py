@@ -117,7 +117,8 @@ def report(verdicts: dict[CellKey, dict[int, dict[str, Any]]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stores", nargs="+", type=Path, help="tournament.json files")
-    parser.add_argument("--kind", choices=("router", "sensitivity", "trace"), default="router")
+    parser.add_argument("--kind", choices=("router", "sensitivity", "trace"), default="router",
+                        help="judge the router cells, the cost-sensitivity cells or trace cells")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = parser.parse_args(argv)
     stores = [json.loads(p.read_text()) for p in args.stores]

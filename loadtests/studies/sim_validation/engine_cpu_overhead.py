@@ -58,10 +58,13 @@ def measure(running: Sequence[int], rounds: int, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--running", type=int, nargs="+", default=[1, 8, 16, 32, 40])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", type=Path, default=results_of("sim_validation") / "engine_cpu_overhead.json")
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 8, 16, 32, 40],
+                        help="running requests to measure the step's CPU time at")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds per point (their median is reported)")
+    parser.add_argument("--steps", type=int, default=60, help="engine steps per round")
+    parser.add_argument("--out", type=Path, default=results_of("sim_validation") / "engine_cpu_overhead.json",
+                        help="where the JSON goes (sim_validation --engine-cpu reads it)")
     args = parser.parse_args(argv)
     result = measure(args.running, args.rounds, args.steps)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

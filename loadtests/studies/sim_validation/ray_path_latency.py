@@ -138,14 +138,16 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--requests", type=int, default=120, help="requests, one in flight at a time")
     parser.add_argument("--gap", type=float, default=1.0,
                         help="seconds between sends (longer than one request takes)")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--num-replicas", type=int, default=4)
-    parser.add_argument("--time-scale", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
+    parser.add_argument("--num-replicas", type=int, default=4, help="simulated replicas")
+    parser.add_argument("--time-scale", type=float, default=5.0,
+                        help="slow-motion factor of the simulated GPU")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="where the JSON goes (and the .md beside it)")
     args = parser.parse_args(argv)
     start_ray()
     try:

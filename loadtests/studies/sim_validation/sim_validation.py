@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                              "their single waits, tail included) or engine_cpu_overhead's "
                              "JSON; default none")
     parser.add_argument("--seeds", type=int, default=8, help="simulator runs per arm")
-    parser.add_argument("--out", type=Path, default=results_of("sim_validation") / "sim_validation.md")
+    parser.add_argument("--out", type=Path, default=results_of("sim_validation") / "sim_validation.md",
+                        help="where the markdown report goes")
     args = parser.parse_args(argv)
     ray = load_ray_results(args.ray_results)
     meta = ray["meta"]

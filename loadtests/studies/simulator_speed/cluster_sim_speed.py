@@ -65,17 +65,20 @@ def replica_capacity(workload: str, config: ClusterSimConfig, seed: int = 0,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=600.0)
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--workload", default="steady")
-    parser.add_argument("--routers", type=int, default=2)
-    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve")
+    parser.add_argument("--replicas", type=int, default=64, help="simulated replicas")
+    parser.add_argument("--duration", type=float, default=600.0, help="virtual seconds")
+    parser.add_argument("--load", type=float, default=0.8,
+                        help="fraction of the replicas' capacity offered")
+    parser.add_argument("--workload", default="steady", help="the simulator's workload shape")
+    parser.add_argument("--routers", type=int, default=2, help="ingress routers")
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="iterserve",
+                        help="the router every ingress runs")
     parser.add_argument("--capacity", type=float, default=None,
                         help="requests/s per replica (default: measure it first)")
     parser.add_argument("--autoscaler", action="store_true",
                         help="run the production autoscaling policy (bounds pinned at N)")
-    parser.add_argument("--no-fast-forward", action="store_true")
+    parser.add_argument("--no-fast-forward", action="store_true",
+                        help="advance decode stretches step by step (slower; the same results)")
     parser.add_argument("--progress", action="store_true",
                         help="print (virtual s, CPU s, wall s) to stderr every 10 virtual s")
     parser.add_argument("--digest", action="store_true",

@@ -115,8 +115,9 @@ def llguidance_figures(tokenizer: Any, schema: str, vocab: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer-json", required=True)
-    parser.add_argument("--schema-json", required=True)
+    parser.add_argument("--tokenizer-json", required=True,
+                        help="an HF tokenizer.json (the served model's)")
+    parser.add_argument("--schema-json", required=True, help="the JSON schema to compile and walk")
     args = parser.parse_args(argv)
     from transformers import PreTrainedTokenizerFast
 

@@ -118,14 +118,18 @@ def compile_times(llm: LLM, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("validity", "overhead"))
+    parser.add_argument("mode", choices=("validity", "overhead"),
+                        help="validity: schema validity of seeded requests; overhead: constrained vs "
+                             "free decode")
     parser.add_argument("--model", default=None, help="default: the built-in model")
-    parser.add_argument("--count", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--count", type=int, default=50,
+                        help="validity: requests, each with its own schema")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the schemas")
+    parser.add_argument("--batch", type=int, default=64, help="overhead: requests in one batch")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="overhead: tokens each request generates")
+    parser.add_argument("--rounds", type=int, default=2, help="overhead: A B rounds (constrained, free)")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="the engine's context length")
     args = parser.parse_args(argv)
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 64))
     report: dict = {"model": llm.engine.model_name}
