@@ -99,6 +99,7 @@ class CostModel:
         a, b, c, d = (max(0.0, float(v)) for v in coef)
         return cls(a, b, c, d)
 
+
 @dataclass(frozen=True)
 class SimulatorConfig:
     """The simulated GPU: its cost model, memory budget and token stream."""
