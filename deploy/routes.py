@@ -2,11 +2,16 @@
 
 Two routers: `api_router`, whose every route requires an API key (the dependency sits on the
 router, so a route added there is protected by default), and `open_router`, which holds the
-only open routes (/health for probes, /metrics for Prometheus). tests/unit/test_routes_auth.py
-lists every route of the app and checks which are open.
+only open routes (/health and /live for probes, /metrics for Prometheus).
+tests/unit/test_routes_auth.py lists every route of the app and checks which are open.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
-POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /metrics.
+POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /live,
+GET /metrics.
+
+/health answers 503 while the server drains. /live is liveness: 200 whenever this ingress
+answers, draining included, so a liveness probe does not restart a server that is
+finishing its streams.
 Bodies are read with a size limit (413) before they are parsed, then validated by pydantic.
 """
 
@@ -28,6 +33,7 @@ from iterserve.deploy.errors import (
     model_not_found,
 )
 from iterserve.deploy.handlers import create_chat_completion, create_completion
+from iterserve.deploy.lifecycle import ServingState
 from iterserve.deploy.protocol import ModelInfo, chat_prompt
 from iterserve.deploy.schemas import ChatCompletionRequest, CompletionRequest
 from iterserve.deploy.schemas_tokens import (
@@ -153,13 +159,19 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
     return router
 
 
-def open_router() -> APIRouter:
-    """The only routes without a key: liveness and Prometheus scrapes."""
+def open_router(client: EngineClient, state: ServingState) -> APIRouter:
+    """The only routes without a key: readiness, liveness and Prometheus scrapes."""
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @router.get("/live")
+    async def live() -> JSONResponse:
+        return JSONResponse({"status": "draining" if state.draining else "ok"})
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -1,4 +1,5 @@
-"""Every route of the API needs a key except /health and /metrics; keys compare by digest."""
+"""Every route of the API needs a key except /health, /live and /metrics; keys compare by
+digest."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from iterserve.deploy.auth import ApiKeyChecker
 from iterserve.deploy.server import IngressSettings, create_app
 
 KEY = "sk-test-0123456789"
-OPEN = {"/health", "/metrics"}
+OPEN = {"/health", "/live", "/metrics"}
 
 
 class NoEngine:
