@@ -9,9 +9,11 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
 POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /live,
 GET /metrics.
 
-/health answers 503 while the server drains. /live is liveness: 200 whenever this ingress
-answers, draining included, so a liveness probe does not restart a server that is
-finishing its streams.
+/health is readiness, as vLLM's: 200 only when a request would be served now (a model
+replica has answered), 503 while the model loads and while the server drains. /live is
+liveness: 200 whenever this ingress answers, loading and draining included, so a liveness
+probe does not restart a server that is loading a model or finishing its streams.
+
 Bodies are read with a size limit (413) before they are parsed, then validated by pydantic.
 """
 
@@ -167,6 +169,8 @@ def open_router(client: EngineClient, state: ServingState) -> APIRouter:
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not await client.ready():
+            return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @router.get("/live")

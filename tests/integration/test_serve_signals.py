@@ -3,11 +3,14 @@
 Each test starts a real `iterserve serve` (the tiny model, embedded Ray) in its own session
 and signals its pid only, as `docker stop`, Kubernetes and systemd do:
 
-* 16 live streams at SIGTERM all finish, while /health is 503 (load balancers drain),
-  /live 200 and a new request a 503; the process exits 0 with one line saying what it
-  drained and nothing that reads as a crash, and no process of its Ray cluster is left;
+* /health's first 200 means a request is served at once; 16 live streams at SIGTERM all
+  finish, while /health is 503 (load balancers drain), /live 200 and a new request a 503;
+  the process exits 0 with one line saying what it drained and nothing that reads as a
+  crash, and no process of its Ray cluster is left;
 * with a drain timeout shorter than the streams, each ends with the documented error;
 * idle, SIGTERM stops at once; a second signal during a drain stops without waiting;
+* /health is 503 and /live 200 while no model replica can answer yet (one that cannot be
+  scheduled), and SIGTERM then stops the server cleanly.
 """
 
 from __future__ import annotations
@@ -154,9 +157,26 @@ class Streams:
         return self.results
 
 
+def wait_for_health(server: Server) -> None:
+    """Poll /health from launch; its first 200 must mean a request is served at once."""
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=10).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass  # not listening yet
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+        time.sleep(0.2)
+    out = server.client().completions.create(model="iterserve-tiny-llama-v1-seed0",
+                                             prompt="hello", max_tokens=2, timeout=10)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
 def test_sigterm_drains_16_live_streams(tmp_path: Path) -> None:
-    server = start(tmp_path)
+    server = start(tmp_path, ready=False)
     try:
+        wait_for_health(server)
         streams = Streams(server, max_tokens=256)
         os.kill(server.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -219,5 +239,31 @@ def test_a_second_signal_stops_without_draining(tmp_path: Path) -> None:
         assert "SIGINT: stopping now" in output and "finished" not in output
         assert len(streams.join()) == NUM_STREAMS
         assert all(result[0] != "length" for result in streams.results.values())
+    finally:
+        stop(server)
+
+
+def test_health_is_503_until_a_model_replica_answers(tmp_path: Path) -> None:
+    # A replica that asks for more CPUs than the embedded Ray has never starts: the ingress
+    # is up with no model replica behind it, for as long as the test looks.
+    server = start(tmp_path, "--num-cpus-per-replica", "3", ready=False)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                live = httpx.get(f"{server.url}/live", timeout=10).status_code
+            except httpx.HTTPError:
+                live = None
+            if live == 200:
+                break
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+            time.sleep(0.5)
+        for _ in range(5):
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            assert (health.status_code, health.json()) == (503, {"status": "loading"})
+            time.sleep(0.5)
+        os.kill(server.proc.pid, signal.SIGTERM)
+        output = assert_clean_exit(server)
+        assert "SIGTERM: no request in flight; stopped" in output
     finally:
         stop(server)

@@ -17,7 +17,11 @@ OPEN = {"/health", "/live", "/metrics"}
 
 
 class NoEngine:
-    """Routes must refuse before they reach the engine; any call here is a failure."""
+    """Routes must refuse before they reach the engine; any call here but /health's readiness
+    question is a failure."""
+
+    async def ready(self) -> bool:
+        return True
 
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"the engine client was called ({name}) without a valid key")
