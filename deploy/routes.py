@@ -135,7 +135,8 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
-            ids = chat_prompt(chat, tokenizer, chat_template=tools.chat_template)
+            template = tools.template_for(chat, getattr(tokenizer, "chat_template", None))
+            ids = chat_prompt(chat, tokenizer, chat_template=template)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         out = TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
