@@ -22,7 +22,14 @@ from typing import Any, Literal
 
 from iterserve.autoscale.config import AutoscaleConfig
 from iterserve.deploy.settings import AppArgs
-from iterserve.deploy.shutdown import DrainNow, DrainReport, StopNow, StopSignals, drain_app
+from iterserve.deploy.shutdown import (
+    DrainNow,
+    DrainReport,
+    StopNow,
+    StopSignals,
+    drain_app,
+    exit_with_parent,
+)
 from iterserve.replica.config import engine_settings
 
 logger = logging.getLogger("iterserve.serve")
@@ -169,6 +176,7 @@ def run(argv: list[str]) -> int:
     metrics_dir: str | None = None
     report: DrainReport | None = None
     try:
+        exit_with_parent()  # when a bench or a test started us (loadtests/servers.py)
         engine = settings.engine
         print(f"iterserve: model {engine.served_model_name} ({engine.model or 'built-in'}; "
               f"{engine.device}, {engine.dtype})", flush=True)

@@ -19,12 +19,18 @@ signal handler for SIGTERM in C, which prints "*** SIGTERM received at time=..."
 and ends the process by abort (exit 134) with every stream cut. `StopSignals.install` is
 therefore called again after `ray.init`: a Python `signal.signal` call sets the C-level
 handler anew, so ours is the one that runs.
+
+A server started by another program (`iterserve bench`, the experiments, the test helpers:
+loadtests/servers.py) also ends when that program dies, however it dies: `exit_with_parent`
+asks Linux for a SIGTERM then (PR_SET_PDEATHSIG), which drains and stops as above.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -33,6 +39,8 @@ from typing import Any
 logger = logging.getLogger("iterserve.serve")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_WITH_PARENT_ENV = "ITERSERVE_EXIT_WITH_PARENT"  # the starter's pid
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 0.1
 BROADCAST_TIMEOUT_S = 10.0
 # After the replicas end the streams left at the drain timeout, the time their error events
@@ -82,6 +90,24 @@ class StopSignals:
         while self.received is None:
             time.sleep(0.5)  # a signal's handler runs during the sleep; the loop sees it
         return self.received
+
+
+def exit_with_parent() -> None:
+    """Where EXIT_WITH_PARENT_ENV names this process's parent, have the kernel send SIGTERM
+    when the parent dies (a SIGKILL or the OOM killer included, which no handler of the
+    parent's can catch). Linux sends it when the parent's *thread* that started us ends, so
+    a starter must start servers from a thread that lives as long as they should."""
+    parent = os.environ.pop(EXIT_WITH_PARENT_ENV, None)  # Ray's processes need not see it
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        logger.warning("cannot end with the parent process (prctl errno %d)", ctypes.get_errno())
+        return
+    if os.getppid() != int(parent):  # it died before the prctl call: nobody will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import httpx
 import yaml
 
 from iterserve.loadtests.disruption import StreamingLoad, Timeline
-from iterserve.loadtests.servers import free_port
+from iterserve.loadtests.servers import free_port, interrupt_on_termination
 
 APP_NAME = "iterserve"
 SIM_COST = {"a_s": 0.02}  # a step is a 20 ms sleep
@@ -131,6 +131,7 @@ def run_serve_deploy_disruption(clients: int = 8, max_tokens: int = 120,
     if temp_dir is not None:
         init_args["_temp_dir"] = temp_dir
     ray.init(**init_args)
+    interrupt_on_termination()  # a SIGTERM still shuts this cluster down (servers.py)
     changed_engine = {**SIM_ENGINE, "max_num_seqs": 12}
     actors: dict[str, dict[str, list[str]]] = {}
     try:

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from proctools import wait_until_gone
 
 from iterserve.loadtests.servers import free_port, wait_until_ready
 
@@ -81,32 +82,12 @@ def stop(server: Server) -> None:
         server.proc.wait(timeout=30)
 
 
-def session_processes(sid: int) -> list[str]:
-    """The live processes of session `sid` (the server's own, and Ray's that it started)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue  # it ended while we looked
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            found.append(f"{entry.name} {cmdline[:80]}")
-    return found
-
-
 def assert_clean_exit(server: Server) -> str:
     code = server.proc.wait(timeout=EXIT_TIMEOUT_S)
     output = server.output()
     assert code == 0, output
     assert not [text for text in CRASH_TEXT if text in output], output
-    deadline = time.monotonic() + 30  # Ray's processes end a moment after the driver
-    while session_processes(server.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_processes(server.proc.pid) == []
+    assert wait_until_gone(server.proc.pid) == []
     return output
 
 
