@@ -66,7 +66,9 @@ def test_bench_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> None:
         servers = children(bench.pid)
         assert len(servers) == 2
         bench.send_signal(signal.SIGTERM)  # the bench alone, as `timeout` does
+        signalled = time.monotonic()
         output = bench.communicate(timeout=300)[0].decode()
+        print(f"bench SIGTERM to exit: {time.monotonic() - signalled:.1f} s")
         assert bench.returncode == 128 + signal.SIGTERM, output
         assert "iterserve bench: SIGTERM: stopped, and the servers it started" in output
         assert "Traceback" not in output, output
@@ -102,7 +104,9 @@ def test_a_killed_starter_takes_its_server_with_it(tmp_path: Path) -> None:
         assert len(servers) == 1
         starter.kill()  # SIGKILL: no handler of the starter runs
         starter.wait(timeout=30)
+        killed = time.monotonic()
         _assert_gone(servers, [port])
+        print(f"starter SIGKILL to its server gone: {time.monotonic() - killed:.1f} s")
         log = (tmp_path / "serve-continuous.log").read_text()
         assert "SIGTERM: no request in flight; stopped" in log, log
     finally:
