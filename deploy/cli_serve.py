@@ -206,7 +206,7 @@ def run(argv: list[str]) -> int:
         print(f"iterserve: {stop}: stopping now{up}", flush=True)
     finally:
         if not detached:
-            _shutdown(embedded, APP_NAME, now=report is None)
+            _shutdown(embedded, APP_NAME, signals, now=report is None)
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     if report is not None:
@@ -214,7 +214,7 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _shutdown(embedded: bool, app_name: str, now: bool) -> None:
+def _shutdown(embedded: bool, app_name: str, signals: StopSignals, now: bool) -> None:
     """The embedded cluster ends with ray.shutdown, which stops its processes; after a drain
     nothing is in flight, and Serve's own shutdown first only added seconds and a "(raylet)
     Task ServeController.graceful_shutdown failed" line. On a cluster the app is deleted
@@ -222,11 +222,10 @@ def _shutdown(embedded: bool, app_name: str, now: bool) -> None:
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        return
-    if not embedded:
+    if not embedded and ray.is_initialized():
         try:
             serve.delete(app_name, _blocking=not now)
         except StopNow as stop:
             print(f"iterserve: {stop}: stopping now", flush=True)
-    ray.shutdown()
+    signals.ignore()  # a signal inside ray.shutdown would leave Ray's processes behind
+    ray.shutdown()  # also ends the processes of a ray.init that a signal interrupted

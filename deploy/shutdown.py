@@ -84,6 +84,10 @@ class StopSignals:
         self._stopping_now = True
         raise StopNow(name)
 
+    def ignore(self) -> None:
+        """From now on signals change nothing: what runs is the fastest stop there is."""
+        self._stopping_now = True
+
     def wait(self) -> str:
         """Block until the first signal; its name."""
         self._waiting = True
