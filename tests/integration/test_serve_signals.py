@@ -149,8 +149,9 @@ def wait_for_health(server: Server) -> None:
             pass  # not listening yet
         assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
         time.sleep(0.2)
-    out = server.client().completions.create(model="iterserve-tiny-llama-v1-seed0",
-                                             prompt="hello", max_tokens=2, timeout=10)
+    client = server.client().with_options(timeout=10)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt="hello",
+                                    max_tokens=2)
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
