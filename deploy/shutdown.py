@@ -142,7 +142,7 @@ def drain_app(app_name: str, timeout_s: float, signal_name: str) -> DrainReport:
     from ray import serve
 
     from iterserve.deploy.ingress import OpenAIIngress
-    from iterserve.deploy.replica import LLMReplica
+    from iterserve.deploy.llm_replica import LLMReplica
 
     started = time.monotonic()
     try:

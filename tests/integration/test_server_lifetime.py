@@ -119,7 +119,7 @@ def test_a_killed_starter_takes_its_server_with_it(tmp_path: Path) -> None:
 
 EMBEDDED = """
 import time
-from iterserve.loadtests.sim_harness import start_ray
+from iterserve.loadtests.studies.ray_harness import start_ray
 start_ray(num_cpus=2)
 print("up", flush=True)
 time.sleep(600)
