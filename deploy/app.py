@@ -67,5 +67,6 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
         api_key_file=app_args.api_key_file,
         max_body_bytes=app_args.max_body_bytes,
         model_aliases=tuple(app_args.model_aliases),
-        tools=ToolSettings.from_flags(app_args.chat_template, app_args.tool_call_parser),
+        tools=ToolSettings.from_flags(app_args.chat_template, app_args.tool_call_parser,
+                                      builtin_model=app_args.model is None),
     )

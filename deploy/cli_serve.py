@@ -15,16 +15,21 @@ import argparse
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import time
 import typing
-from types import FrameType
 from typing import Any, Literal
 
 from iterserve.autoscale.config import AutoscaleConfig
 from iterserve.deploy.settings import AppArgs
+from iterserve.deploy.shutdown import (
+    DrainNow,
+    DrainReport,
+    StopNow,
+    StopSignals,
+    drain_app,
+    exit_with_parent,
+)
 from iterserve.replica.config import engine_settings
 
 logger = logging.getLogger("iterserve.serve")
@@ -114,10 +119,6 @@ def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
     return app
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> str | None:
     """Join `--address`, or start an embedded Ray sized for this machine.
 
@@ -168,46 +169,63 @@ def run(argv: list[str]) -> int:
     from ray import serve
 
     # Also SIGINT: a shell starting us in the background leaves it ignored (SIG_IGN).
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signals = StopSignals()
+    signals.install()
     embedded = args.address is None
+    detached = args.detach and not embedded
     metrics_dir: str | None = None
+    report: DrainReport | None = None
     try:
+        exit_with_parent()  # when a bench or a test started us (loadtests/servers.py)
         engine = settings.engine
         print(f"iterserve: model {engine.served_model_name} ({engine.model or 'built-in'}; "
               f"{engine.device}, {engine.dtype})", flush=True)
         metrics_dir = start_ray(args, settings.autoscale)
+        signals.install()  # ray.init replaced them (deploy/shutdown.py says how)
         serve.start(http_options={"host": args.host, "port": args.port},
                     proxy_location="HeadOnly" if embedded else "EveryNode")
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # serve.start reset it
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        app_args = settings.args
-        keys = f", {len(app_args.api_keys)} API key(s)" if app_args.api_keys else ""
-        print(f"iterserve: ready at http://{host}:{args.port}/v1 serving "
-              f"{settings.engine.served_model_name} ({app_args.num_replicas} replica(s){keys}); "
-              "Ctrl-C to stop", flush=True)
-        if args.detach and not embedded:
-            return 0
-        while True:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        print("iterserve: shutting down", flush=True)
+        try:
+            signals.drainable = not detached
+            serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+            host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+            app_args = settings.args
+            keys = f", {len(app_args.api_keys)} API key(s)" if app_args.api_keys else ""
+            print(f"iterserve: ready at http://{host}:{args.port}/v1 serving "
+                  f"{settings.engine.served_model_name} ({app_args.num_replicas} replica(s)"
+                  f"{keys}); Ctrl-C or SIGTERM drains and stops", flush=True)
+            if detached:
+                return 0
+            signals.wait()
+        except DrainNow:  # a signal while serve.run deployed the app
+            pass
+        name = signals.received or "signal"
+        report = drain_app(APP_NAME, settings.drain_timeout_s, name)
+    except StopNow as stop:
+        up = "" if signals.drainable else " (the server was not up yet)"
+        print(f"iterserve: {stop}: stopping now{up}", flush=True)
     finally:
-        _shutdown(embedded, APP_NAME, detached=args.detach and not embedded)
+        if not detached:
+            _shutdown(embedded, APP_NAME, signals, now=report is None)
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+    if report is not None:
+        print(report.line(signals.received or "signal"), flush=True)
     return 0
 
 
-def _shutdown(embedded: bool, app_name: str, detached: bool) -> None:
+def _shutdown(embedded: bool, app_name: str, signals: StopSignals, now: bool) -> None:
+    """The embedded cluster ends with ray.shutdown, which stops its processes; after a drain
+    nothing is in flight, and Serve's own shutdown first only added seconds and a "(raylet)
+    Task ServeController.graceful_shutdown failed" line. On a cluster the app is deleted
+    (`now`, or a signal during it: without waiting for its replicas to stop)."""
     import ray
     from ray import serve
 
-    if detached or not ray.is_initialized():
-        return
-    if embedded:
-        serve.shutdown()
-        ray.shutdown()
-    else:
-        serve.delete(app_name)
+    if not embedded and ray.is_initialized():
+        try:
+            serve.delete(app_name, _blocking=not now)
+        except StopNow as stop:
+            print(f"iterserve: {stop}: stopping now", flush=True)
+    signals.ignore()  # a signal inside ray.shutdown would leave Ray's processes behind
+    ray.shutdown()  # also ends the processes of a ray.init that a signal interrupted

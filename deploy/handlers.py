@@ -289,7 +289,8 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
                                  ) -> JSONResponse | StreamingResponse:
     tools = tools or ToolSettings()
     tokenizer = await client.tokenizer()
-    ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info, tools.chat_template)
+    template = tools.template_for(req, getattr(tokenizer, "chat_template", None))
+    ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info, template)
     check_prompt(ids, info)
     params = sampling_params(req, len(ids), info)
     job = Job(random_id("chatcmpl"), now_s(), info.model_name, [ids], [params], req.n)

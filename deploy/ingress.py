@@ -4,6 +4,8 @@ The FastAPI app is built per replica at init time (`@serve.ingress()` with
 `__serve_build_asgi_app__`, Ray Serve 2.60), so API keys and the body limit are constructor
 arguments rather than module globals. The ingress tokenizes, applies the chat template and
 checks the prompt length; the replicas only ever see token ids and SamplingParams.
+`begin_drain` and `in_flight` are how `iterserve serve` drains it on SIGTERM
+(deploy/shutdown.py): the handle calls them on every ingress replica.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from iterserve.deploy.auth import load_api_keys
 from iterserve.deploy.engine_client import HandleEngineClient
+from iterserve.deploy.lifecycle import ServingState
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES, IngressSettings, create_app
 from iterserve.deploy.tool_calls import ToolSettings
 
@@ -47,7 +50,15 @@ class OpenAIIngress:
                                          model_aliases=tuple(model_aliases),
                                          tools=tools or ToolSettings())
         self._client = HandleEngineClient(engine)
+        self._state = ServingState()
         logger.info("OpenAIIngress ready: %r", self._settings)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self._client, self._settings)
+        return create_app(self._client, self._settings, self._state)
+
+    def begin_drain(self) -> int:
+        """Stop admitting (/health and every API route answer 503); the requests in flight."""
+        return self._state.begin_drain()
+
+    def in_flight(self) -> int:
+        return self._state.in_flight

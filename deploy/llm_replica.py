@@ -195,6 +195,11 @@ class LLMReplica:
         """Stop admitting new requests and wait for the in-flight ones."""
         await self.engine.drain(self._drain_timeout_s if timeout_s is None else timeout_s)
 
+    async def end_streams(self, message: str) -> int:
+        """End every request now with a 503 carrying `message` (`iterserve serve`'s drain ran
+        out of time): its client gets an error it can read, not a cut connection."""
+        return await self.engine.end_requests(message)
+
     async def __del__(self) -> None:
         """Serve's graceful shutdown: stop admitting, drain, then free the engine."""
         if self._closed:

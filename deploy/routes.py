@@ -2,11 +2,18 @@
 
 Two routers: `api_router`, whose every route requires an API key (the dependency sits on the
 router, so a route added there is protected by default), and `open_router`, which holds the
-only open routes (/health for probes, /metrics for Prometheus). tests/unit/test_routes_auth.py
-lists every route of the app and checks which are open.
+only open routes (/health and /live for probes, /metrics for Prometheus).
+tests/unit/test_routes_auth.py lists every route of the app and checks which are open.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
-POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /metrics.
+POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /live,
+GET /metrics.
+
+/health is readiness, as vLLM's: 200 only when a request would be served now (a model
+replica has answered), 503 while the model loads and while the server drains. /live is
+liveness: 200 whenever this ingress answers, loading and draining included, so a liveness
+probe does not restart a server that is loading a model or finishing its streams.
+
 Bodies are read with a size limit (413) before they are parsed, then validated by pydantic.
 """
 
@@ -28,6 +35,7 @@ from iterserve.deploy.errors import (
     model_not_found,
 )
 from iterserve.deploy.handlers import create_chat_completion, create_completion
+from iterserve.deploy.lifecycle import ServingState
 from iterserve.deploy.protocol import ModelInfo, chat_prompt
 from iterserve.deploy.schemas import ChatCompletionRequest, CompletionRequest
 from iterserve.deploy.schemas_tokens import (
@@ -127,7 +135,8 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt)
-            ids = chat_prompt(chat, tokenizer, chat_template=tools.chat_template)
+            template = tools.template_for(chat, getattr(tokenizer, "chat_template", None))
+            ids = chat_prompt(chat, tokenizer, chat_template=template)
         else:
             ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         out = TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
@@ -153,13 +162,21 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
     return router
 
 
-def open_router() -> APIRouter:
-    """The only routes without a key: liveness and Prometheus scrapes."""
+def open_router(client: EngineClient, state: ServingState) -> APIRouter:
+    """The only routes without a key: readiness, liveness and Prometheus scrapes."""
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not await client.ready():
+            return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @router.get("/live")
+    async def live() -> JSONResponse:
+        return JSONResponse({"status": "draining" if state.draining else "ok"})
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -1,7 +1,7 @@
 """The FastAPI app of the OpenAI-compatible API, built over any EngineClient.
 
 `create_app` assembles it: the routes of `deploy/routes.py` (every one behind the API-key
-dependency except /health and /metrics), and error handlers that turn every failure into an
+dependency except /health, /live and /metrics), and error handlers that turn every failure into an
 OpenAI-shaped error body (bad input is never a 500).
 """
 
@@ -25,6 +25,7 @@ from iterserve.deploy.errors import (
     internal_error,
     unauthorized,
 )
+from iterserve.deploy.lifecycle import DrainGate, ServingState
 from iterserve.deploy.routes import api_router, open_router
 from iterserve.deploy.tool_calls import ToolSettings
 
@@ -51,17 +52,21 @@ class IngressSettings:
                 f"max_body_bytes={self.max_body_bytes})")
 
 
-def create_app(client: EngineClient, settings: IngressSettings | None = None) -> FastAPI:
+def create_app(client: EngineClient, settings: IngressSettings | None = None,
+               state: ServingState | None = None) -> FastAPI:
     """The API over `client`; the Serve ingress and in-process tests build it the same way.
 
-    Every route lives on the router of `deploy/routes.py` that requires a key, except the two
-    on its open router (/health, /metrics): a new route is protected unless put there.
+    Every route lives on the router of `deploy/routes.py` that requires a key, except the
+    three on its open router (/health, /live, /metrics): a new route is protected unless put
+    there. `state` is the ingress's drain flag and in-flight count (deploy/lifecycle.py).
     """
     settings = settings or IngressSettings()
+    state = state if state is not None else ServingState()
     app = FastAPI(title="iterserve", version="0.1.0", docs_url=None, redoc_url=None,
                   openapi_url=None)  # no open schema route: the route list is not public
     install_error_handlers(app)
-    app.include_router(open_router())
+    app.add_middleware(DrainGate, state=state)
+    app.include_router(open_router(client, state))
     app.include_router(api_router(client, settings.max_body_bytes, settings.model_aliases,
                                   require_api_key(settings), settings.tools))
     return app

@@ -33,22 +33,38 @@ from iterserve.replica.structured_spec import StructuredSpec
 
 TEMPLATES = Path(__file__).parent / "templates"
 DEFAULT_TOOL_PARSER = "hermes"
+BUILTIN_MODEL_TOOL_TEMPLATE = "tool_chatml"  # the built-in SmolLM2 is a ChatML model
 
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """The ingress's chat template override (its text) and tool-call parser name."""
+    """The ingress's chat template override (its text), tool-call parser name, and the
+    template for requests that render tools when the model's own template cannot."""
 
     chat_template: str | None = None
     tool_call_parser: str = DEFAULT_TOOL_PARSER
+    tools_template: str | None = None
 
     def __post_init__(self) -> None:
         tool_parser(self.tool_call_parser)  # unknown names fail at startup
 
     @classmethod
-    def from_flags(cls, chat_template: str | None, tool_call_parser: str | None) -> ToolSettings:
+    def from_flags(cls, chat_template: str | None, tool_call_parser: str | None,
+                   builtin_model: bool = False) -> ToolSettings:
+        tools_template = (load_chat_template(BUILTIN_MODEL_TOOL_TEMPLATE)
+                          if builtin_model and not chat_template else None)
         return cls(load_chat_template(chat_template) if chat_template else None,
-                   tool_call_parser or DEFAULT_TOOL_PARSER)
+                   tool_call_parser or DEFAULT_TOOL_PARSER, tools_template)
+
+    def template_for(self, req: ChatCompletionRequest, model_template: str | None
+                     ) -> str | None:
+        """The template replacing the model's for this request, or None (the model's)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        wants_tools = bool(req.tools) and req.tool_choice != "none"
+        if wants_tools and self.tools_template and not template_renders_tools(model_template):
+            return self.tools_template
+        return None
 
 
 def load_chat_template(name_or_path: str) -> str:

@@ -38,7 +38,7 @@ from iterserve.autoscale.sim.workload import OutputLengths, WorkloadRequest, mak
 from iterserve.loadtests import bench_report
 from iterserve.loadtests.bench_client import MetricsSampler, NvmlSampler, run_level
 from iterserve.loadtests.bench_stats import compare, parse_slo, summarise_level
-from iterserve.loadtests.servers import serve_mode, wait_until_ready
+from iterserve.loadtests.servers import Terminated, serve_mode, wait_until_ready
 from iterserve.loadtests.workload import add_workload_arguments
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128)
@@ -255,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     """static vs continuous batching over HTTP on one seeded workload"""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    results = run_benchmark(args, argv)
+    try:
+        results = run_benchmark(args, argv)
+    except Terminated as stop:  # its servers were stopped on the way out (servers.py)
+        print(f"iterserve bench: {stop}: stopped, and the servers it started", file=sys.stderr)
+        return 128 + stop.signum
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "bench.json"
     results["json_path"] = str(json_path)

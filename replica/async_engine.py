@@ -166,6 +166,26 @@ class AsyncLLMEngine:
             await asyncio.sleep(0.05)
         return False
 
+    async def end_requests(self, message: str) -> int:
+        """Stop admitting and end every request now (a drain that ran out of time): each
+        stream raises EngineDrainingError(message), which its client sees as a 503 error
+        (in-band after the first chunk), and the blocks are freed. Returns how many ended."""
+        self._draining = True
+
+        def end(engine: LLMEngine) -> int:
+            ended = list(self._streams.items())
+            self._streams.clear()
+            for request_id, stream in ended:
+                engine.abort_request(request_id)
+                try:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                     EngineDrainingError(message))
+                except RuntimeError:  # that caller's event loop is closed: nobody to tell
+                    continue
+            return len(ended)
+
+        return int(await self.call(end))
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()

@@ -19,7 +19,7 @@ BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 
@@ -156,7 +156,8 @@ class EngineConfig:
     simulator: str | None = setting(
         None, "the simulated runner's GPU: h100, h200, a JSON file or inline JSON of "
         "SimulatorConfig / CostModel fields (replica/sim_runner.py)", ("sim_cost_model",))
-    load_format: str = setting("auto", "dummy: random weights from the config (benchmarks)",
+    load_format: str = setting("auto", "auto: gguf for a .gguf file, else safetensors; dummy: "
+                               "random weights from the config (benchmarks)",
                                choices=LOAD_FORMATS)
     served_model_name: str | None = setting(
         None, "model name in the API (default: the model folder or file name)")

@@ -9,16 +9,18 @@ max_num_batched_tokens. The deployment resolves its engine
 settings once on the driver and passes the resolved config down; the engine resolves what it
 is given, which changes nothing when it is already resolved (idempotent), so `/v1/models`
 shows the values the engine really uses. The number of KV blocks is not resolved here: it
-needs the GPU (profiling) unless num_gpu_blocks_override gives it.
+needs the GPU (profiling) unless num_gpu_blocks_override gives it. The load format ("auto")
+becomes the model file's own: gguf or safetensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.loader import read_model_config
-from iterserve.replica.model_source import model_display_name, resolve_model_path
+from iterserve.replica.model_source import is_gguf, model_display_name, resolve_model_path
 
 CPU_DTYPE = "float32"  # measured faster than bf16 on CPU (README: "CPU dtype")
 CUDA_DTYPE = "bfloat16"
@@ -64,5 +66,18 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
         config,
         model=str(model_path),
         served_model_name=config.served_model_name or model_display_name(model_path),
+        load_format=resolve_load_format(config.load_format, model_path),
         scheduler=scheduler,
     )
+
+
+def resolve_load_format(load_format: str, model_path: Path) -> str:
+    """What the loader reads: "auto" is the file's own format; a format that the file is
+    not is a ValueError (the loader picks by the file, so it would be silently ignored)."""
+    found = "gguf" if is_gguf(model_path) else "safetensors"
+    if load_format == "auto":
+        return found
+    if load_format in ("gguf", "safetensors") and load_format != found:
+        raise ValueError(f"load_format {load_format!r} does not match the model {model_path} "
+                         f"({found}); leave it auto")
+    return load_format

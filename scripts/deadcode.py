@@ -39,6 +39,7 @@ ALLOWED = {
     "on_request_routed": "Ray Serve's RequestRouter calls it",
     "on_request_completed": "Ray Serve's RequestRouter calls it",
     "check_health": "Ray Serve calls it on every replica",
+    "end_streams": "the drain calls it on every replica by name (deploy/shutdown.py)",
     "record_autoscaling_stats": "Ray Serve calls it for the custom autoscaling policy",
     "make_model": "the `iterserve make-model` subcommand, named in deploy/cli.py's table",
     "check_invariants": "the block manager's invariant; the engine tests check it every step",

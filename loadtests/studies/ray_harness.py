@@ -227,12 +227,15 @@ def start_ray(env: dict[str, str] | None = None, num_cpus: int = 16) -> None:
     import ray
     from ray import serve
 
+    from iterserve.loadtests.servers import interrupt_on_termination
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for key, value in (env or {}).items():
         os.environ[key] = value
     # address="local": always a fresh cluster, never someone else's on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 1024**2)
+    interrupt_on_termination()  # a SIGTERM still shuts this cluster down (servers.py)
     serve.start(http_options={"host": "127.0.0.1", "port": 0}, proxy_location="Disabled")
 
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import pytest
 
-from iterserve.loadtests.servers import free_port, wait_until_ready
+from iterserve.loadtests.servers import (
+    free_port,
+    interrupt_on_termination,
+    server_env,
+    terminate_as_interrupt,
+    wait_until_ready,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +56,7 @@ def serve_app(app_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]:
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2, namespace=f"iterserve-test-{port}")
+    interrupt_on_termination()  # a SIGTERM to pytest still shuts this cluster down
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     proxy_location="HeadOnly")
@@ -70,22 +77,24 @@ def server_process(argv: list[str], base_url: str, log_path: Path, timeout_s: fl
                    headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Run a server command (iterserve serve / serve run) until ready; stop it with SIGINT.
 
-    Its output goes to `log_path` (shown if it fails to come up).
+    Its output goes to `log_path` (shown if it fails to come up). It ends with pytest, even
+    when pytest is killed (loadtests/servers.py).
     """
-    full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    full_env = server_env({"RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
     log = open(log_path, "w+")  # closed in the finally below
-    proc = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
+    with terminate_as_interrupt():  # a SIGTERM to pytest stops the server too
+        proc = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_until_ready(base_url, proc, timeout_s=timeout_s, headers=headers)
-        except (TimeoutError, RuntimeError):
-            log.seek(0)
-            pytest.fail(f"server did not come up; its log:\n{log.read()[-4000:]}")
-        yield proc
-    finally:
-        _stop(proc)
-        log.close()
+            try:
+                wait_until_ready(base_url, proc, timeout_s=timeout_s, headers=headers)
+            except (TimeoutError, RuntimeError):
+                log.seek(0)
+                pytest.fail(f"server did not come up; its log:\n{log.read()[-4000:]}")
+            yield proc
+        finally:
+            _stop(proc)
+            log.close()
 
 
 def _stop(proc: subprocess.Popen) -> None:

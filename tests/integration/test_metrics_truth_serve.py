@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from iterserve.dashboards import metrics, provisioning
-from iterserve.loadtests.servers import free_port, stop_server, wait_until_ready
+from iterserve.loadtests.servers import free_port, server_env, stop_server, wait_until_ready
 from iterserve.loadtests.studies.reliability.chaos import run_request
 from iterserve.loadtests.studies.reliability.metrics_truth import (
     finished_totals,
@@ -71,7 +71,7 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
                "--num-replicas", str(num_replicas), "--metrics-prefix", prefix, *SERVE_ARGS]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, env=server_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, process, log_path, None)

@@ -62,7 +62,8 @@ def test_build_app_binds_ingress_over_replica():
     assert isinstance(engine, EngineConfig)
     # resolved: every "auto" made concrete and every derived value filled
     assert engine.model is not None and engine.served_model_name is not None
-    assert "auto" not in (engine.dtype, engine.device, engine.attention_backend)
+    assert "auto" not in (engine.dtype, engine.device, engine.attention_backend,
+                          engine.load_format)
     assert engine.async_scheduling is not None
     assert None not in (engine.scheduler.max_model_len, engine.scheduler.max_num_batched_tokens)
     assert engine.scheduler.max_num_seqs == 4

@@ -142,6 +142,26 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
+def imported_module_paths(path: Path) -> set[str]:
+    """The modules the file imports (`from M import n`: M; `import M`: M), ours only."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name for name in names if name.startswith("iterserve.")}
+
+
+def test_every_import_of_ours_names_a_module_that_exists() -> None:
+    """Lazy imports too (a moved file leaves them pointing nowhere until they run)."""
+    modules = {module_name(p) for p in library_files()}
+    files = library_files() + sorted((ROOT / "tests").rglob("*.py"))
+    dangling = [f"{path.relative_to(ROOT)} imports {name}" for path in files
+                for name in sorted(imported_module_paths(path)) if name not in modules]
+    assert not dangling, "imports of modules that do not exist:\n" + "\n".join(dangling)
+
+
 def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     """The readers above catch what they are for (a file that breaks both rules)."""
     bad = tmp_path / "bad.py"

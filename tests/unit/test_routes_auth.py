@@ -1,4 +1,5 @@
-"""Every route of the API needs a key except /health and /metrics; keys compare by digest."""
+"""Every route of the API needs a key except /health, /live and /metrics; keys compare by
+digest."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from iterserve.deploy.auth import ApiKeyChecker
 from iterserve.deploy.server import IngressSettings, create_app
 
 KEY = "sk-test-0123456789"
-OPEN = {"/health", "/metrics"}
+OPEN = {"/health", "/live", "/metrics"}
 
 
 class NoEngine:
-    """Routes must refuse before they reach the engine; any call here is a failure."""
+    """Routes must refuse before they reach the engine; any call here but /health's readiness
+    question is a failure."""
+
+    async def ready(self) -> bool:
+        return True
 
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"the engine client was called ({name}) without a valid key")

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-from iterserve.loadtests.servers import free_port
+from iterserve.loadtests.servers import free_port, interrupt_on_termination
 from iterserve.loadtests.studies.reliability.disruption import StreamingLoad, Timeline
 
 APP_NAME = "iterserve"
@@ -131,6 +131,7 @@ def run_serve_deploy_disruption(clients: int = 8, max_tokens: int = 120,
     if temp_dir is not None:
         init_args["_temp_dir"] = temp_dir
     ray.init(**init_args)
+    interrupt_on_termination()  # a SIGTERM still shuts this cluster down (servers.py)
     changed_engine = {**SIM_ENGINE, "max_num_seqs": 12}
     actors: dict[str, dict[str, list[str]]] = {}
     try:

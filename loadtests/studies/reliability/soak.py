@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from iterserve.loadtests.servers import free_port
+from iterserve.loadtests.servers import free_port, interrupt_on_termination
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -52,6 +52,7 @@ def local_serve(engine_kwargs: dict[str, Any], num_replicas: int) -> Iterator[st
     port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2, namespace=f"iterserve-soak-{port}")
+    interrupt_on_termination()  # a SIGTERM still shuts this cluster down (servers.py)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         app = build_app({"engine_kwargs": engine_kwargs, "num_replicas": num_replicas})
