@@ -8,6 +8,7 @@ and samples one token for every request whose prefill or decode reached its last
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +61,18 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
         load = load_dummy if config.load_format == "dummy" else load_checkpoint
+        started = time.perf_counter()
         self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops)
+        # Seconds per start-up phase (weights, KV cache, graph capture): the GPU first light
+        # measures a replica's start-up delay from them.
+        self.startup_s = {"load": time.perf_counter() - started}
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 0)
         self.sampler = Sampler(config.seed, self.device)
         self._remember_sampled([], None)
+        started = time.perf_counter()
         self._num_blocks = self._decide_num_blocks()
         shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                  self.model_config.head_dim)
@@ -75,6 +81,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)
         ]
+        self.startup_s["kv_cache"] = time.perf_counter() - started  # sized (profiled) and allocated
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -83,7 +90,9 @@ class ModelRunner:
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
                                                                  // self.block_size),
                                             kv_splits_for=self._decode_kv_splits)
+            started = time.perf_counter()
             self.graphs.capture()
+            self.startup_s["graphs"] = time.perf_counter() - started
 
     # ------------------------------------------------------------------------------ memory
     @property

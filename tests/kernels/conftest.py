@@ -61,6 +61,27 @@ def _fast_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _scalar_index_on_numpy_2_4() -> None:
+    """Let an older interpreter (triton 3.6) use a scalar tensor as a Python int on numpy >= 2.4.
+
+    The interpreter holds a scalar as a shape-(1,) array. triton 3.6 turns it into an int with
+    int(array), which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"), so every `for tile in range(start, end, step)` over runtime bounds dies; triton
+    3.9 squeezes the array first. Do what 3.9 does (a no-op there). A GPU compiles the kernels
+    and never meets this; the GPU machine's numpy is 2.5.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: type, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 if INTERPRET:
     _ensure_interpreted()
     _fast_interpreter_dot()
+    _scalar_index_on_numpy_2_4()
