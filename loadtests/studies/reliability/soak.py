@@ -35,7 +35,7 @@ import httpx
 
 from iterserve.loadtests.servers import free_port, interrupt_on_termination
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]  # loadtests/studies/reliability/soak.py
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
 WINDOW_S = 30.0  # RSS medians are taken over windows this long
 
