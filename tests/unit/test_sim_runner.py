@@ -176,8 +176,8 @@ def test_execute_is_cheap_in_cpu():
     for r in reqs:
         r.output_token_ids = [5] * 100
     batch = SchedulerOutput([decode(r) for r in reqs])
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: other work on the box does not count
     for _ in range(20):
         run.execute(batch)
-    per_step = (time.perf_counter() - t0) / 20
+    per_step = (time.process_time() - t0) / 20
     assert per_step < 5e-3  # 256 sequences: well under the ~20 ms it models
