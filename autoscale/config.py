@@ -229,6 +229,13 @@ class AutoscaleConfig(BaseModel):
         "burst's room, so this delay only has to see past noise; 30 s vs 60 s: 3-8 % fewer "
         "GPU-hours, the same SLO, tournament diurnal).",
     )
+    downscale_to_zero_delay_s: float | None = Field(
+        None, ge=0.0,
+        description="Serve's own AutoscalingConfig.downscale_to_zero_delay_s, passed through: "
+        "with min_replicas 0, the last replica goes only after the policy has asked for 0 "
+        "this long without a break (None: at once). Serve scales any other way down to 1 "
+        "first, so the last replica always waits this delay.",
+    )
     max_upscale_step: int = Field(
         16, ge=1,
         description="Most replicas added in one decision (the step is proportional to the "
