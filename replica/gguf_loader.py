@@ -11,7 +11,7 @@ truncated or corrupt file fails here, at load, never in the middle of a step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -200,9 +200,11 @@ def dequantized(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape)).to(dtype)
 
 
-def iter_gguf_weights(path: str | Path, config: ModelConfig,
-                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, dense tensor) for every tensor the model uses, Q/K rows in HF order."""
+def iter_gguf_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                      copied: Callable[[int], None] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dense tensor) for every tensor the model uses, Q/K rows in HF order;
+    `copied(nbytes)` hears of every dense buffer written on the way."""
     file = open_gguf(path)
     _, permuted = ARCHITECTURES[file.architecture]
     for name in file.tensors:
@@ -210,18 +212,24 @@ def iter_gguf_weights(path: str | Path, config: ModelConfig,
         if hf_name is None:
             continue
         tensor = dequantized(file, name, dtype)
+        written = tensor.nbytes
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rotary_rows(tensor, config.num_attention_heads)
+            written += tensor.nbytes
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = unpermute_rotary_rows(tensor, config.num_key_value_heads)
+            written += tensor.nbytes
+        if copied is not None:
+            copied(written)
         yield hf_name, tensor
 
 
 def load_gguf_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
-                         ops: Ops) -> tuple[nn.Module, ModelConfig]:
+                         ops: Ops, copied: Callable[[int], None] | None = None
+                         ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the GGUF file's metadata and fill it with its dequantized tensors."""
     model_config = gguf_model_config(path)
     model = build_model(model_config, dtype, device, ops)
     with torch.no_grad():
-        model.load_weights(iter_gguf_weights(path, model_config, dtype))
+        model.load_weights(iter_gguf_weights(path, model_config, dtype, copied))
     return model, model_config

@@ -169,6 +169,11 @@ def test_32_requests_from_zero_all_served(base_url: str) -> None:
     ttfts = sorted(r["first"] - r["sent"] for r in results)
     assert all(r["first"] is not None and r["done"] is not None for r in results)
     assert ready_at, "no replica became RUNNING"
+    # the replica reports its start, stage by stage, on this node's monotonic clock
+    startup = httpx.get(f"{base_url}/debug/replicas", timeout=10).json()["data"][0]["startup"]
+    assert {"imports", "weights_place", "kv_cache"} <= set(startup["stages"])
+    assert first_sent < startup["started_at"] < startup["ready_at"] < min(
+        r["first"] for r in results)
     print(f"\nscale from zero: {NUM_REQUESTS} requests over {ARRIVALS_OVER_S:.0f} s, 0 failed; "
           f"first request to a RUNNING replica {ready_at[0] - first_sent:.1f} s; first-token "
           f"time min {ttfts[0]:.1f} s, p50 {percentile(ttfts, 50):.1f} s, max {ttfts[-1]:.1f} s"
