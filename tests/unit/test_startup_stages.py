@@ -49,18 +49,17 @@ def test_describe_engine_carries_the_stages(engine: LLMEngine) -> None:
     assert info["startup"]["stages"] == engine.startup.as_dict()
 
 
-def test_gguf_placement_counts_every_dense_copy_before_the_parameters() -> None:
-    """The built-in GGUF: each tensor is dequantised into a new buffer (and Q/K rows
-    unpermuted into another) before the parameter copy: more than the parameters' bytes."""
+def test_the_builtin_gguf_is_dequantised_straight_into_its_parameters() -> None:
+    """The built-in GGUF (Q4_1, Q8_0, F32): nothing is written but the parameters (before,
+    numpy's dense buffers and the unpermuted Q/K rows: 1129 MB for 540 MB of parameters)."""
     from iterserve.replica.gguf_loader import load_gguf_checkpoint
     from iterserve.replica.model_source import builtin_model_path
     from iterserve.replica.ops import select_ops
 
-    copied = []
+    copied: list[int] = []
     model, _ = load_gguf_checkpoint(builtin_model_path(), torch.float32, "cpu",
                                     select_ops("torch"), copied.append)
-    params = sum(p.nbytes for p in model.parameters())
-    assert sum(copied) >= params
+    assert sum(copied) == 0 and sum(p.nbytes for p in model.parameters()) > 500e6
 
 
 def test_recorder_rules(tmp_path: Path) -> None:
