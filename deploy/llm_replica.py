@@ -12,18 +12,12 @@ stable hashes of the blocks its prefix cache can hit (replica/block_hashes.py), 
 KVAwareRouter knows which replica holds a prompt's prefix. Only that call pays for them.
 """
 
-# ruff: noqa: E402 - the module's first line is timed before its imports (the replica's start)
 from __future__ import annotations
-
-import time
-
-# In a replica's process this module is imported when Serve unpickles the deployment: its
-# first line is the replica's own first line (start-up stages: imports begin here).
-MODULE_STARTED = time.monotonic()
 
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,8 +32,6 @@ from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.startup import StartupRecorder
-
-MODULE_IMPORT_S = time.monotonic() - MODULE_STARTED
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +113,10 @@ class LLMReplica:
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                        metrics_prefix: str | None = None) -> None:
         """engine_config: resolved once by the deployment (deploy/settings.py)."""
+        started = time.monotonic()
         startup = StartupRecorder()
-        startup.record("imports").seconds = MODULE_IMPORT_S  # this module's, torch's among them
+        # This module (torch with it) was imported when Ray unpickled the class: in a pooled
+        # worker often long before this replica was asked for, else within actor_start.
         with startup.stage("imports"):
             from iterserve.replica import AsyncLLMEngine
 
@@ -133,12 +127,10 @@ class LLMReplica:
                                                      metrics_prefix)
         startup.merge(self.engine.startup)
         ready = time.monotonic()
-        # Its start-up by stage (replica/startup.py), with when it began (this module's first
-        # line) and ended on this node's monotonic clock, so whoever asked for the replica can
-        # add what came before (the actor's start) and after (its first token): the time
-        # between the module's import and this constructor is Ray's, in no stage.
-        self._startup = {"stages": startup.as_dict(), "started_at": MODULE_STARTED,
-                         "ready_at": ready}
+        # Its start-up by stage (replica/startup.py), with when this constructor began and
+        # ended on this node's monotonic clock, so whoever asked for the replica can add what
+        # came before (the actor's start) and after (its first token).
+        self._startup = {"stages": startup.as_dict(), "started_at": started, "ready_at": ready}
         if self._stat_logger is not None:
             self._stat_logger.record_startup(self._startup["stages"])
         self._drain_timeout_s = drain_timeout_s
