@@ -9,7 +9,8 @@ file of the model dropped from the page cache with posix_fadvise(POSIX_FADV_DONT
 the start) and warm (read once before). Parts:
 
 * offline: `startup_child` in a fresh process per start: interpreter start (actor_start),
-  imports, the engine's stages, the first token of one request.
+  imports, the engine's stages, the first token of one request. With `--before DIR` (a
+  checkout of older code), its starts alternate with this checkout's, start by start.
 * serve: an app with min_replicas 0 on a local Ray; one request at zero replicas starts the
   replica: actor_start is the request's send to the replica's constructor (Serve's scale
   decision, the actor's process, the class's module), then the replica's own stages
@@ -29,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,19 +50,56 @@ from iterserve.replica.startup import STAGES
 RESULTS = Path(__file__).parent / "results"
 
 
-def offline_start(model: str, cold: bool, cpu_threads: int) -> dict[str, Any]:
-    """One start in a fresh process: its stages, with actor_start = spawn -> first line."""
+CHILD = "iterserve.loadtests.studies.replica_startup.startup_child"
+# Runs a module of another checkout (`--before DIR`) with this environment's packages: the
+# editable install's finder (which maps iterserve.* to this checkout) is taken out first, and
+# DIR's rooms are linked in as iterserve.* (as scripts/gpu_first_light.sh does).
+LAUNCH_OTHER = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' "
+                "not in repr(f).lower()]; sys.path.insert(0, sys.argv.pop(1)); "
+                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+ROOMS = ("replica", "kernels", "dashboards", "autoscale", "deploy", "loadtests")
+
+
+def link_checkout(checkout: Path) -> Path:
+    """A folder that makes `checkout` importable as iterserve.* (symbolic links)."""
+    site = Path(tempfile.mkdtemp(prefix="iterserve-before-"))
+    (site / "iterserve").mkdir()
+    shutil.copy(checkout / "iterserve" / "__init__.py", site / "iterserve" / "__init__.py")
+    for room in ROOMS:
+        (site / "iterserve" / room).symlink_to(checkout.resolve() / room)
+    return site
+
+
+def offline_start(model: str, cold: bool, cpu_threads: int,
+                  other_site: Path | None = None) -> dict[str, Any]:
+    """One start in a fresh process (of this checkout, or of the one linked at other_site):
+    its stages, with actor_start = spawn -> first line."""
     files = model_files(model)
     drop_page_cache(files) if cold else read_through(files)
+    launch = ["-m", CHILD] if other_site is None else ["-c", LAUNCH_OTHER, str(other_site),
+                                                       CHILD]
     spawned = time.monotonic()
-    out = subprocess.run([sys.executable, "-m",
-                          "iterserve.loadtests.studies.replica_startup.startup_child", model,
-                          "--cpu-threads", str(cpu_threads)],
+    out = subprocess.run([sys.executable, *launch, model, "--cpu-threads", str(cpu_threads)],
                          capture_output=True, text=True, check=True)
     child = json.loads(out.stdout.strip().splitlines()[-1])
     stages = {"actor_start": {"seconds": child["first_line"] - spawned, "bytes_read": 0.0,
                               "bytes_copied": 0.0}, **child["stages"]}
     return {"stages": stages, "wall_s": child["first_token"] - spawned}
+
+
+def offline_runs(models: dict[str, str], sites: dict[str, Path | None], repeats: int,
+                 cpu_threads: int) -> list[dict[str, Any]]:
+    """Every (model, mode, repeat), each checkout's start alternated with the other's."""
+    runs = []
+    for name, model in models.items():
+        for mode in ("cold", "warm"):
+            for repeat in range(repeats):
+                for part, site in sites.items():
+                    run = offline_start(model, mode == "cold", cpu_threads, site)
+                    runs.append({"model": name, "part": part, "mode": mode, "repeat": repeat,
+                                 **run})
+                    print(f"{part} {name} {mode} #{repeat}: {run['wall_s']:.2f} s", flush=True)
+    return runs
 
 
 def serve_starts(models: dict[str, str], repeats: int) -> list[dict[str, Any]]:
@@ -128,7 +168,8 @@ def serve_one(client: Any, base_url: str) -> dict[str, Any]:  # noqa: ANN401
 
 def table(runs: list[dict[str, Any]], model: str) -> list[str]:
     """One model's table: a column per (part, mode), medians with min-max."""
-    columns = [(part, mode) for part in ("offline", "serve") for mode in ("cold", "warm")
+    columns = [(part, mode) for part in ("offline-before", "offline", "serve")
+               for mode in ("cold", "warm")
                if any(r["model"] == model and (r["part"], r["mode"]) == (part, mode)
                       for r in runs)]
     def cell(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
@@ -177,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the 516M-parameter checkpoint is (written if missing)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--note", default="", help="a line saying what this run measures")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="a checkout of older code (git archive COMMIT | tar -x -C DIR): "
+                        "its offline starts alternate with this one's, side by side")
     args = parser.parse_args(argv)
     from iterserve.replica.model_source import builtin_model_path
 
@@ -186,15 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     if "hf" in args.models:
         models["hf"] = str(write_bench_checkpoint(args.hf_dir))
     runs: list[dict[str, Any]] = []
-    if "offline" in args.parts:
-        for name, model in models.items():
-            for mode in ("cold", "warm"):
-                for repeat in range(args.repeats):
-                    run = offline_start(model, mode == "cold", args.cpu_threads)
-                    runs.append({"model": name, "part": "offline", "mode": mode,
-                                 "repeat": repeat, **run})
-                    print(f"offline {name} {mode} #{repeat}: {run['wall_s']:.2f} s",
-                          flush=True)
+    sites = {"offline": None}
+    if args.before is not None:
+        sites["offline-before"] = link_checkout(args.before)
+    try:
+        if "offline" in args.parts:
+            runs += offline_runs(models, sites, args.repeats, args.cpu_threads)
+    finally:
+        if sites.get("offline-before") is not None:
+            shutil.rmtree(sites["offline-before"])
     if "serve" in args.parts:
         runs += serve_starts(models, args.serve_repeats)
     args.out.mkdir(parents=True, exist_ok=True)
