@@ -27,6 +27,17 @@ Sustained running per target replica above high_running_per_replica: desired =
 ceil(sustained / low_running_per_replica), at least one more and at most
 max_upscale_step more.
 
+Look-ahead (startup_s, the served model's measured start-up: a replica asked for now serves
+startup_s later). The sustained load is projected that far along its trend:
+
+    sustained_ahead = sustained + max(0, slope) x startup_s
+    slope = least-squares slope of the 5 s bucket means over headroom_window_s
+
+and the headroom rule reads sustained_ahead in place of sustained: with load growing by g
+sequences/s, replicas are added g x startup_s sequences before the threshold, so a model that
+starts in 60 s scales a minute of growth early, one that starts in 5 s, 5 s early. Without
+startup_s (None) nothing is projected.
+
 While replicas are still starting (target > current) both scale-ups hold: the load has not
 had a chance to spread yet, and stacking decisions on stale metrics overshoots.
 
@@ -157,6 +168,22 @@ def _window_quantile(history: list[list[float]], now: float, window_s: float,
     return percentile([entry[1] for entry in history[start:]], 100.0 * q)
 
 
+def _window_trend(history: list[list[float]], now: float, window_s: float) -> float:
+    """Growth of the running sequences per second over the last window_s: the least-squares
+    slope of its bucket means; 0 until the window is covered or while the load falls."""
+    if not history or now - history[0][0] < window_s:
+        return 0.0
+    start = max(i for i, entry in enumerate(history) if entry[0] <= now - window_s)
+    points = [(entry[0], entry[1]) for entry in history[start:]]
+    if len(points) < 3:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / spread
+    return max(0.0, slope)
+
+
 def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecision, dict[str, Any]]:
     """The policy with its reasoning; `desired_replicas` is the short form."""
     state: dict[str, Any] = dict(ctx.policy_state)
@@ -195,6 +222,8 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     since_change = math.inf if changed_at is None else ctx.now - changed_at
     sustained = _window_quantile(history, ctx.now, config.headroom_window_s,
                                  config.headroom_quantile)
+    if sustained is not None and config.startup_s is not None:  # look startup_s ahead
+        sustained += _window_trend(history, ctx.now, config.headroom_window_s) * config.startup_s
     peak = _window_quantile(history, ctx.now, config.downscale_delay_s,
                             1.0 - config.headroom_quantile)
     overloaded = (

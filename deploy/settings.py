@@ -41,6 +41,7 @@ from iterserve.replica.resolve import resolve_engine_config
 _MIN_REPLICAS = AutoscaleConfig.model_fields["min_replicas"]
 _MAX_REPLICAS = AutoscaleConfig.model_fields["max_replicas"]
 _ZERO_DELAY = AutoscaleConfig.model_fields["downscale_to_zero_delay_s"]
+_STARTUP = AutoscaleConfig.model_fields["startup_s"]
 
 
 def _engine_field_types() -> dict[str, Any]:
@@ -108,6 +109,7 @@ class AppArgs(BaseModel):
     min_replicas: int = _MIN_REPLICAS  # with num_replicas="auto"
     max_replicas: int = _MAX_REPLICAS
     downscale_to_zero_delay_s: float | None = _ZERO_DELAY
+    startup_s: float | None = _STARTUP
     max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica in-flight "
                                       "bound")
     max_queued_requests: int | None = Field(
@@ -228,7 +230,8 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
     if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
         autoscale = AutoscaleConfig(model_name=model_name, min_replicas=app_args.min_replicas,
                                     max_replicas=app_args.max_replicas,
-                                    downscale_to_zero_delay_s=app_args.downscale_to_zero_delay_s)
+                                    downscale_to_zero_delay_s=app_args.downscale_to_zero_delay_s,
+                                    startup_s=app_args.startup_s)
     return AppSettings(app_args, engine, router, autoscale, actor_options,
                        _drain_timeout_s(app_args, engine))
 
