@@ -27,6 +27,17 @@ Sustained running per target replica above high_running_per_replica: desired =
 ceil(sustained / low_running_per_replica), at least one more and at most
 max_upscale_step more.
 
+Look-ahead (startup_s, the served model's measured start-up: a replica asked for now serves
+startup_s later). The sustained load is projected that far along its trend:
+
+    sustained_ahead = sustained + max(0, slope) x startup_s
+    slope = least-squares slope of the 5 s bucket means over headroom_window_s
+
+and the headroom rule reads sustained_ahead in place of sustained: with load growing by g
+sequences/s, replicas are added g x startup_s sequences before the threshold, so a model that
+starts in 60 s scales a minute of growth early, one that starts in 5 s, 5 s early. Without
+startup_s (None) nothing is projected.
+
 While replicas are still starting (target > current) both scale-ups hold: the load has not
 had a chance to spread yet, and stacking decisions on stale metrics overshoots.
 
@@ -37,6 +48,15 @@ history covers it): desired = needed, in one step. A blip does not restart anyth
 upper quantile keeps the step safe. Between low_running_per_replica (where scaling lands)
 and high_running_per_replica (where headroom adds) nothing moves. The result is clamped
 to [min_replicas, max_replicas].
+
+Zero replicas (min_replicas 0). Requests queued at the handles (`queued_at_handles`) are
+never left without a replica: with none running the policy asks for one at once
+("scale-from-zero", what Serve's controller also does before any custom policy runs), and
+it never asks for 0 while anything is queued. The way down to 0 is Serve's: the policy
+asks for 0 when nothing runs; Serve lands a larger target on 1 first and holds 1 -> 0 for
+`downscale_to_zero_delay_s` of consecutive asks, so a scale-down the controller held is
+asked again on every tick (not held for another downscale_delay_s), until the target
+reaches it or the load comes back.
 
 The Ray adapter (`KVAutoscalingPolicy`) turns Serve's `AutoscalingContext` into a
 `ScalingContext`; the history rides in Serve's `policy_state` (plain JSON lists). Serve's
@@ -63,6 +83,7 @@ from iterserve.autoscale.signals import (
 STATE_OVER_SINCE = "iterserve_over_since"
 STATE_LAST_REASON = "iterserve_last_reason"
 STATE_CHANGED_AT = "iterserve_changed_at"  # when this policy last changed the target
+STATE_ASKED_DOWN = "iterserve_asked_down"  # a scale-down asked and not reached yet
 STATE_RUNNING_HISTORY = "iterserve_running_history"  # [[start, mean running, ticks], ...]
 HISTORY_STEP_S = 5.0  # one history entry per 5 s: 12 entries for a 60 s window
 
@@ -147,6 +168,22 @@ def _window_quantile(history: list[list[float]], now: float, window_s: float,
     return percentile([entry[1] for entry in history[start:]], 100.0 * q)
 
 
+def _window_trend(history: list[list[float]], now: float, window_s: float) -> float:
+    """Growth of the running sequences per second over the last window_s: the least-squares
+    slope of its bucket means; 0 until the window is covered or while the load falls."""
+    if not history or now - history[0][0] < window_s:
+        return 0.0
+    start = max(i for i, entry in enumerate(history) if entry[0] <= now - window_s)
+    points = [(entry[0], entry[1]) for entry in history[start:]]
+    if len(points) < 3:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in points) / spread
+    return max(0.0, slope)
+
+
 def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecision, dict[str, Any]]:
     """The policy with its reasoning; `desired_replicas` is the short form."""
     state: dict[str, Any] = dict(ctx.policy_state)
@@ -154,15 +191,26 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     target = max(ctx.target_replicas, 0)
     live = [s for s in ctx.signals.values() if not s.draining]
 
+    queued = max(0.0, ctx.queued_at_handles)
+    asked_down = state.get(STATE_ASKED_DOWN)
+    if asked_down is not None and asked_down >= target:
+        asked_down = None  # reached (or the target moved up meanwhile)
+
     if not live:
-        # No metrics yet (replicas starting) or everything draining: hold, unless below min.
+        # No metrics yet (replicas starting), everything draining, or no replica at all:
+        # hold, unless below min or requests wait at the handles with no replica to go to.
         state[STATE_OVER_SINCE] = None
-        decision = ScalingDecision(_clamp(target, config), "no-metrics", 0.0, 0.0)
-        state[STATE_LAST_REASON] = decision.reason
-        return decision, state
+        state[STATE_ASKED_DOWN] = None
+        desired, reason = _clamp(target, config), "no-metrics"
+        if desired < 1 and queued > 0:
+            desired, reason = 1, "scale-from-zero"
+        if desired != target:
+            state[STATE_CHANGED_AT] = ctx.now
+        state[STATE_LAST_REASON] = reason
+        return ScalingDecision(desired, reason, 0.0, 0.0), state
 
     n = len(live)
-    mean_waiting = (sum(s.num_waiting for s in live) + max(0.0, ctx.queued_at_handles)) / n
+    mean_waiting = (sum(s.num_waiting for s in live) + queued) / n
     mean_kv = sum(s.kv_usage for s in live) / n
     history = _record_running(
         state.get(STATE_RUNNING_HISTORY) or [], ctx.now, sum(s.num_running for s in live),
@@ -174,6 +222,8 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     since_change = math.inf if changed_at is None else ctx.now - changed_at
     sustained = _window_quantile(history, ctx.now, config.headroom_window_s,
                                  config.headroom_quantile)
+    if sustained is not None and config.startup_s is not None:  # look startup_s ahead
+        sustained += _window_trend(history, ctx.now, config.headroom_window_s) * config.startup_s
     peak = _window_quantile(history, ctx.now, config.downscale_delay_s,
                             1.0 - config.headroom_quantile)
     overloaded = (
@@ -214,7 +264,10 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
             reason = "headroom-scale-up"
     elif underloaded and target > config.min_replicas:
         over_since = None
-        if since_change < config.downscale_delay_s or peak is None:
+        if asked_down is not None:  # Serve holds it (1 -> 0 delay): ask it again
+            desired = max(int(asked_down), int(needed))
+            reason = "scale-down-held"
+        elif since_change < config.downscale_delay_s or peak is None:
             reason = "underloaded-waiting"
         else:
             desired = int(needed)
@@ -225,8 +278,11 @@ def decide(ctx: ScalingContext, config: AutoscaleConfig) -> tuple[ScalingDecisio
     clamped = _clamp(desired, config)
     if clamped != desired:
         reason = f"{reason}-bounded"
-    if clamped != target:
+    if clamped < 1 and queued > 0:  # never strand requests queued at the handles
+        clamped, reason = 1, f"{reason}-queued"
+    if clamped != target and clamped != asked_down:  # a new change, not one asked again
         state[STATE_CHANGED_AT] = ctx.now
+    state[STATE_ASKED_DOWN] = clamped if clamped < target else None
     state[STATE_OVER_SINCE] = over_since
     state[STATE_LAST_REASON] = reason
     return ScalingDecision(clamped, reason, mean_waiting, mean_kv), state
@@ -301,7 +357,8 @@ class KVAutoscalingPolicy:
 def serve_autoscaling_config(config: AutoscaleConfig) -> dict[str, Any]:
     """The `autoscaling_config=` dict for `@serve.deployment` / `.options()` / YAML.
 
-    Serve's delays are 0 because the policy owns hysteresis; aggregation is "mean" over a
+    Serve's delays are 0 because the policy owns hysteresis, except the last replica's
+    (`downscale_to_zero_delay_s`, Serve's, passed through); aggregation is "mean" over a
     short look-back window. Also export `autoscaling_env_vars(config)` to the Ray cluster
     (controller and replicas) before `ray.init` / `ray start`.
     """
@@ -311,6 +368,7 @@ def serve_autoscaling_config(config: AutoscaleConfig) -> dict[str, Any]:
         "max_replicas": config.max_replicas,
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
+        "downscale_to_zero_delay_s": config.downscale_to_zero_delay_s,
         # Deprecated but validated: look_back_period_s must exceed it (default 10 s).
         "metrics_interval_s": config.metrics_push_interval_s,
         "look_back_period_s": config.look_back_period_s,

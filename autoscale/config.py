@@ -208,6 +208,14 @@ class AutoscaleConfig(BaseModel):
         "0.4 and 0.8, seeds 0-2: low/high 7/10 met the SLO everywhere with the fewest "
         "GPU-hours; 6/8 kept too much at 0.8, 7/9 added a second step before the spike.)",
     )
+    startup_s: float | None = Field(
+        None, gt=0.0,
+        description="The served model's measured start-up, scale decision to a new replica "
+        "serving (loadtests/studies/replica_startup: a Serve start's stages but first_token). "
+        "The headroom rule looks this far ahead: it projects the sustained load along its "
+        "trend over headroom_window_s (least-squares slope of the 5 s means, growth only), "
+        "so a slow-starting model adds replicas earlier. None: no look-ahead.",
+    )
     headroom_window_s: float = Field(
         60.0, gt=0.0,
         description="The running-sequence history (5 s bucket means) the sustained load "
@@ -228,6 +236,13 @@ class AutoscaleConfig(BaseModel):
         "need of the running sequences' upper quantile over it (the headroom bands keep a "
         "burst's room, so this delay only has to see past noise; 30 s vs 60 s: 3-8 % fewer "
         "GPU-hours, the same SLO, tournament diurnal).",
+    )
+    downscale_to_zero_delay_s: float | None = Field(
+        None, ge=0.0,
+        description="Serve's own AutoscalingConfig.downscale_to_zero_delay_s, passed through: "
+        "with min_replicas 0, the last replica goes only after the policy has asked for 0 "
+        "this long without a break (None: at once). Serve scales any other way down to 1 "
+        "first, so the last replica always waits this delay.",
     )
     max_upscale_step: int = Field(
         16, ge=1,

@@ -30,6 +30,7 @@ and from the ingress: ``metrics_text()`` for GET /metrics (content type `CONTENT
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry
@@ -80,6 +81,7 @@ LABEL_FINISHED_REASON = "finished_reason"
 # vLLM's FinishReason values, plus "error": a request that failed in the engine.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LABEL_OUTCOME = "outcome"
+LABEL_STAGE = "stage"  # a replica's start-up stage (replica/startup.py STAGES)
 # A router sync exchange: done; done but some peer events were dropped before this router
 # read them; or the hub could not be reached.
 SYNC_OUTCOMES = ("ok", "lost", "failed")
@@ -184,6 +186,14 @@ ROUTER_SYNC_EXCHANGES = _counter(
     "router_sync_exchanges", "Router sync exchanges with the deployment's other routers, by "
     "outcome: ok, lost (some of their events dropped unread), failed (hub unreachable).",
     labels=(LABEL_MODEL, LABEL_OUTCOME), vllm=False)
+REPLICA_STARTUP_SECONDS = _gauge(
+    "replica_startup_seconds", "Seconds this replica's start-up spent in each stage (imports, "
+    "model_config, tokenizer, weights_read, weights_place, kv_cache, graphs, engine_start).",
+    labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
+REPLICA_STARTUP_BYTES_COPIED = _gauge(
+    "replica_startup_bytes_copied", "Bytes each start-up stage of this replica wrote into new "
+    "memory (dequantised or converted weights, parameters, the zeroed KV cache).",
+    labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
     labels=(LABEL_MODEL,), mode="mostrecent", vllm=False)
@@ -194,6 +204,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     REQUEST_SUCCESS, ITERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME,
     REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
+    REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED,
 )
 ALL_METRICS: tuple[MetricSpec, ...] = (
     *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS)
@@ -317,6 +328,13 @@ class PrometheusStatLogger:
         if request.num_generation_tokens > 1:
             tpot = request.decode_time_s / (request.num_generation_tokens - 1)
             sink.histogram_observe(REQUEST_TIME_PER_OUTPUT_TOKEN, tpot, labels)
+
+    def record_startup(self, stages: Mapping[str, Mapping[str, float]]) -> None:
+        """The replica's start-up, once: {stage: {"seconds", "bytes_copied", ...}}."""
+        for stage, record in stages.items():
+            labels = {**self._labels, LABEL_STAGE: stage}
+            self._sink.gauge_set(REPLICA_STARTUP_SECONDS, record["seconds"], labels)
+            self._sink.gauge_set(REPLICA_STARTUP_BYTES_COPIED, record["bytes_copied"], labels)
 
     def close(self) -> None:
         """Call when the replica stops: its live gauges leave the shared metrics folder."""

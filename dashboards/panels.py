@@ -151,6 +151,21 @@ FLEET = Row("Fleet: replicas, router, autoscaler, GPUs", (
           (Target(f"sum by (replica) (rate({_series(m.ROUTER_DECISIONS)}{SELECTOR}{RATE}))",
                   "{{replica}}", requires="router"),),
           stacked=True),
+    Panel("Replica start-up by stage",
+          "Seconds each replica's start spent per stage (imports, config, tokenizer, weights "
+          "read and placed, KV cache, graphs, the rest), stacked: what a scale-up waits for.",
+          "s",
+          (Target(f"max by (replica, stage) ({_series(m.REPLICA_STARTUP_SECONDS)}{SELECTOR})",
+                  "{{replica}} {{stage}}"),),
+          stacked=True),
+    Panel("Replica start-up: bytes written by stage",
+          "Bytes each stage wrote into new memory: the parameters once, plus every copy "
+          "before them (dequantised or converted weights), and the zeroed KV cache.",
+          "bytes",
+          (Target(f"max by (replica, stage) "
+                  f"({_series(m.REPLICA_STARTUP_BYTES_COPIED)}{SELECTOR})",
+                  "{{replica}} {{stage}}"),),
+          stacked=True),
     Panel("GPU utilisation", "From an NVML exporter when one is scraped (empty on CPU).",
           "percent", _GPU_UTILISATION, width=24, max_value=100.0),
 ))

@@ -41,6 +41,13 @@ def routing_and_scaling_options(settings: AppSettings) -> dict[str, Any]:
     return options
 
 
+def scales_to_zero(settings: AppSettings) -> bool:
+    """Whether LLMReplica may have no replica: autoscaled with min_replicas 0."""
+    if settings.args.autoscaling_config is not None:
+        return int(settings.args.autoscaling_config.get("min_replicas", 1)) == 0
+    return settings.autoscale is not None and settings.autoscale.min_replicas == 0
+
+
 def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> Application:
     """The iterserve application: OpenAIIngress -> LLMReplica x num_replicas."""
     settings = resolve_app(args)
@@ -57,12 +64,17 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
     }
     if app_args.max_replicas_per_node is not None:
         replica_options["max_replicas_per_node"] = app_args.max_replicas_per_node
+    if app_args.max_queued_requests is not None:
+        replica_options["max_queued_requests"] = app_args.max_queued_requests
     replica_options.update(routing_and_scaling_options(settings))
     replica = LLMReplica.options(**replica_options).bind(
         settings.engine, settings.drain_timeout_s, app_args.metrics_prefix)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas,
                                  graceful_shutdown_timeout_s=graceful_shutdown_s).bind(
         replica,
+        settings.engine,
+        scales_to_zero=scales_to_zero(settings),
+        hold_timeout_s=app_args.hold_timeout_s,
         api_keys=tuple(app_args.api_keys),
         api_key_file=app_args.api_key_file,
         max_body_bytes=app_args.max_body_bytes,

@@ -37,7 +37,8 @@ logger = logging.getLogger("iterserve.serve")
 # The AppArgs fields that are flags of `iterserve serve` (their type, default and help come
 # from the field); the engine's flags come from EngineConfig's fields (`add_engine_flags`).
 APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
-             "max_ongoing_requests", "num_gpus_per_replica", "num_cpus_per_replica",
+             "downscale_to_zero_delay_s", "startup_s", "max_ongoing_requests",
+             "max_queued_requests", "hold_timeout_s", "num_gpus_per_replica", "num_cpus_per_replica",
              "num_ingress_replicas", "api_key_file", "max_body_bytes", "drain_timeout_s",
              "max_replicas_per_node", "metrics_prefix", "chat_template", "tool_call_parser")
 

@@ -2,9 +2,13 @@
 
 `EngineClient` is the seam. `HandleEngineClient` is what the Serve ingress uses: it streams
 from `LLMReplica.generate` through `handle.options(stream=True)` and cancels the stream when
-the caller stops early. `LocalEngineClient` wraps an in-process `AsyncLLMEngine`; it serves
-the same FastAPI app without Ray (unit tests, debugging) and runs the same replica-side code
-(`stream_engine`).
+the caller stops early. It knows the model without asking a replica (the resolved engine
+config and the tokenizer, loaded where the ingress runs), so the model card, /tokenize and
+/detokenize never wake a replica of a deployment scaled to zero; a request Serve holds at the
+handle (no replica yet, or every one at max_ongoing_requests) waits at most hold_timeout_s
+for a replica to take it, then ends in a 503 with Retry-After. `LocalEngineClient` wraps an
+in-process `AsyncLLMEngine`; it serves the same FastAPI app without Ray (unit tests,
+debugging) and runs the same replica-side code (`stream_engine`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,21 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from iterserve.autoscale.signals import ROUTING_STATS_PERIOD_S
-from iterserve.deploy.engine_info import describe_engine, stream_engine
+from iterserve.deploy.engine_info import (
+    describe_engine,
+    flat_config,
+    resolve_model_path,
+    stream_engine,
+)
 from iterserve.deploy.errors import (
     EngineErrorInfo,
     OpenAIHTTPError,
+    held_too_long,
     http_error_for,
     unwrap_ray_error,
 )
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
+from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -38,6 +49,8 @@ RETRY_ELSEWHERE_DELAY_S = ROUTING_STATS_PERIOD_S
 # How long /health waits for a model replica's first answer before it says "loading": a
 # probe must answer well inside its own timeout (Kubernetes' default is 1 s).
 READY_WAIT_S = 0.5
+# How long a request may wait at the handle for a replica to take it (AppArgs.hold_timeout_s).
+DEFAULT_HOLD_TIMEOUT_S = 300.0
 
 
 class EngineClient(Protocol):
@@ -104,32 +117,67 @@ class LocalEngineClient:
 
 
 class HandleEngineClient:
-    """LLMReplica deployments reached through a Serve DeploymentHandle."""
+    """LLMReplica deployments reached through a Serve DeploymentHandle.
 
-    def __init__(self, handle: Any) -> None:
+    engine: the replicas' EngineConfig, resolved where this ingress runs (the model's files
+    are read here too: the tokenizer). scales_to_zero: the deployment may have no replica
+    (min_replicas 0), so readiness does not wait for one and nothing here wakes one but a
+    generation. hold_timeout_s: how long a generation waits for a replica to take it.
+    """
+
+    def __init__(self, handle: Any, engine: EngineConfig, scales_to_zero: bool = False,  # noqa: ANN401
+                 hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S) -> None:
+        if hold_timeout_s <= 0:
+            raise ValueError(f"hold_timeout_s must be > 0, got {hold_timeout_s}")
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
-        self._info: ModelInfo | None = None
+        self._engine = engine
+        self._model_path = resolve_model_path(engine)
+        self._scales_to_zero = scales_to_zero
+        self._hold_timeout_s = hold_timeout_s
+        # What only a replica knows (the KV blocks its profiling found): the last answer.
+        self._num_gpu_blocks: int | None = engine.cache.num_gpu_blocks_override
+        self._replica_answered = False
         self._tokenizer: Tokenizer | None = None
-        self._lock = asyncio.Lock()
         self._tokenizer_lock = asyncio.Lock()
-        self._warm_up: asyncio.Future[Tokenizer] | None = None
+        self._warm_up: asyncio.Future[None] | None = None
 
-    async def ready(self) -> bool:
-        """Whether a model replica has answered and this ingress holds the tokenizer. The
-        first answer comes only once a replica has loaded its model (Serve routes nothing to
-        a replica still in its constructor); from then on Serve replaces a failed replica
-        itself and requests retry across them. The tokenizer is loaded here so that the
-        first request after a 200 does not wait for it (4.4 s on a busy 2-core box for the
-        built-in model). One warm-up serves every probe that asks meanwhile."""
-        if self._tokenizer is not None:
-            return True
+    def warm_up(self) -> asyncio.Future[None]:
+        """Load the tokenizer (and, unless the deployment scales to zero, hear from a replica)
+        in the background; one warm-up serves every caller meanwhile."""
         if self._warm_up is None or self._warm_up.done():
-            self._warm_up = asyncio.ensure_future(self.tokenizer())
+            self._warm_up = asyncio.ensure_future(self._warm())
             # Read its failure even when no probe is waiting for it any more.
             self._warm_up.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return self._warm_up
+
+    async def _warm(self) -> None:
+        await self.tokenizer()
+        if not self._scales_to_zero and not self._replica_answered:
+            try:
+                raw = await self._handle.info.remote()
+            except Exception as error:  # noqa: BLE001 - mapped to an HTTP error
+                raise http_error_for(error) from error
+            self._heard_from(raw)
+
+    def _heard_from(self, info: dict[str, Any]) -> None:
+        self._replica_answered = True
+        blocks = (info.get("config") or {}).get("num_gpu_blocks")
+        if blocks is not None:
+            self._num_gpu_blocks = int(blocks)
+
+    async def ready(self) -> bool:
+        """Whether a request would be served now. This ingress must hold the tokenizer
+        (loaded before the first 200, so the first request does not wait for it: 4.4 s on a
+        busy 2-core box for the built-in model), and, with replicas kept (min_replicas >= 1),
+        a model replica must have answered (Serve routes nothing to a replica still in its
+        constructor; from then on it replaces a failed replica itself and requests retry
+        across them). A deployment that scales to zero is ready without a replica: a request
+        is held while one starts, and a probe must not start one."""
+        if self._tokenizer is not None and (self._scales_to_zero or self._replica_answered):
+            return True
         try:
-            await asyncio.wait_for(asyncio.shield(self._warm_up), READY_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(self.warm_up()), READY_WAIT_S)
         except (asyncio.TimeoutError, OpenAIHTTPError):
             return False
         except OSError as error:  # the model's tokenizer files: every request would fail
@@ -138,37 +186,56 @@ class HandleEngineClient:
         return True
 
     async def model_info(self) -> ModelInfo:
-        if self._info is None:
-            async with self._lock:
-                if self._info is None:
-                    try:
-                        raw = await self._handle.info.remote()
-                    except Exception as error:  # noqa: BLE001 - mapped to an HTTP error
-                        raise http_error_for(error) from error
-                    self._info = model_info_from(raw)
-        return self._info
+        """The model as the replicas serve it, known here: no replica is asked."""
+        engine = self._engine
+        tokenizer = await self.tokenizer()
+        return ModelInfo(
+            model_name=str(engine.served_model_name),
+            model_path=self._model_path,
+            max_model_len=int(engine.scheduler.max_model_len or 0),
+            max_logprobs=engine.max_logprobs,
+            vocab_size=getattr(tokenizer, "vocab_size", None),
+            config={**flat_config(engine), "num_gpu_blocks": self._num_gpu_blocks},
+        )
 
     async def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            info = await self.model_info()
             # One load for all the requests that arrive before it ends. Without the lock each
             # cold request loaded its own copy: 4-16 concurrent loads held the first requests
             # 12-17 s on a loaded 2-core box before any reached a replica (RELIABILITY.md §8).
             async with self._tokenizer_lock:
                 if self._tokenizer is None:
-                    self._tokenizer = await asyncio.to_thread(load_tokenizer, info.model_path)
+                    self._tokenizer = await asyncio.to_thread(load_tokenizer, self._model_path)
         return self._tokenizer
 
     async def replica_infos(self) -> list[dict[str, Any]]:
-        """Every running replica's description (control plane only: a broadcast)."""
-        results = await self._handle.broadcast("info").results_async(return_exceptions=True)
+        """Every running replica's description (control plane only: a broadcast, which
+        reaches the running replicas and starts none; none running: an empty list)."""
+        try:
+            results = await self._handle.broadcast("info").results_async(
+                return_exceptions=True)
+        except Exception as error:  # noqa: BLE001 - Serve's "no replica" is an answer here
+            if type(unwrap_ray_error(error)).__name__ != "DeploymentUnavailableError":
+                raise
+            return []
         infos = []
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("a replica did not answer info(): %s", type(result).__name__)
                 continue
+            self._heard_from(result)
             infos.append(result)
         return infos
+
+    async def _until_assigned(self, gen: Any) -> None:  # noqa: ANN401
+        """Wait for Serve to give the request to a replica (Ray 2.60: the response's
+        replica-result future, which `async for` awaits first; it stays pending while the
+        request is held at the handle). Past hold_timeout_s the wait is cancelled, which
+        takes the request out of the handle's queue, and the caller gets a 503."""
+        try:
+            await asyncio.wait_for(gen._fetch_future_result_async(), self._hold_timeout_s)
+        except asyncio.TimeoutError:
+            raise held_too_long(self._hold_timeout_s) from None
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -178,6 +245,7 @@ class HandleEngineClient:
             complete = False
             started = False
             try:
+                await self._until_assigned(gen)
                 async for item in gen:
                     if isinstance(item, EngineErrorInfo):
                         complete = True

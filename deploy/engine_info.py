@@ -53,6 +53,8 @@ def describe_engine(engine: Any, extra: dict[str, Any] | None = None) -> dict[st
         # Requests ended per finish reason, from the same snapshot as "stats": what
         # /metrics' request_success_total must agree with.
         "finished_by_reason": dict(stats.finished_by_reason),
+        # The engine's start-up stages (replica/startup.py); a Serve replica adds its own.
+        "startup": {"stages": engine.startup.as_dict()},
     }
     info.update(extra or {})
     return info

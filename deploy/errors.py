@@ -77,6 +77,16 @@ def body_too_large(limit: int) -> OpenAIHTTPError:
                            "invalid_request_error", code="request_too_large")
 
 
+def held_too_long(hold_timeout_s: float) -> OpenAIHTTPError:
+    """A request no replica took within the hold timeout (scaling from zero, or every
+    replica busy): 503, retry after as long again (at most a minute, what clients honour)."""
+    retry_after = min(60, max(1, math.ceil(hold_timeout_s)))
+    return OpenAIHTTPError(503, f"No replica took the request within {hold_timeout_s:g} s "
+                           "(the model is starting, or every replica is busy); retry later.",
+                           "service_unavailable", code="no_replica",
+                           headers={"Retry-After": str(retry_after)})
+
+
 def internal_error(message: str = "Internal server error.") -> OpenAIHTTPError:
     return OpenAIHTTPError(500, message, "internal_server_error")
 

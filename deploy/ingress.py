@@ -3,7 +3,10 @@
 The FastAPI app is built per replica at init time (`@serve.ingress()` with
 `__serve_build_asgi_app__`, Ray Serve 2.60), so API keys and the body limit are constructor
 arguments rather than module globals. The ingress tokenizes, applies the chat template and
-checks the prompt length; the replicas only ever see token ids and SamplingParams.
+checks the prompt length; the replicas only ever see token ids and SamplingParams. It gets
+the replicas' engine config and resolves it here, where it loads the tokenizer (started at
+init), so it answers the model card, /tokenize and /detokenize itself: at zero replicas
+those never start one.
 `begin_drain` and `in_flight` are how `iterserve serve` drains it on SIGTERM
 (deploy/shutdown.py): the handle calls them on every ingress replica.
 """
@@ -18,10 +21,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from iterserve.deploy.auth import load_api_keys
-from iterserve.deploy.engine_client import HandleEngineClient
+from iterserve.deploy.engine_client import DEFAULT_HOLD_TIMEOUT_S, HandleEngineClient
 from iterserve.deploy.lifecycle import ServingState
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES, IngressSettings, create_app
 from iterserve.deploy.tool_calls import ToolSettings
+from iterserve.replica.config import EngineConfig
+from iterserve.replica.resolve import resolve_engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +44,25 @@ class OpenAIIngress:
     async def __init__(
         self,
         engine: DeploymentHandle,
+        engine_config: EngineConfig,
+        scales_to_zero: bool = False,
+        hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
         api_keys: tuple[Any, ...] = (),
         api_key_file: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         model_aliases: tuple[str, ...] = (),
         tools: ToolSettings | None = None,
     ) -> None:
+        """engine_config: the replicas' (deploy/settings.py), resolved once more here, where
+        the model's files are read (a cluster's driver may not have them)."""
         keys = load_api_keys(api_keys, api_key_file)
         self._settings = IngressSettings(api_keys=keys, max_body_bytes=max_body_bytes,
                                          model_aliases=tuple(model_aliases),
                                          tools=tools or ToolSettings())
-        self._client = HandleEngineClient(engine)
+        resolved = resolve_engine_config(
+            engine_config, cuda_available=engine_config.device.startswith("cuda"))
+        self._client = HandleEngineClient(engine, resolved, scales_to_zero, hold_timeout_s)
+        self._client.warm_up()  # the tokenizer loads while Serve starts the rest
         self._state = ServingState()
         logger.info("OpenAIIngress ready: %r", self._settings)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.startup import StartupRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +113,26 @@ class LLMReplica:
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                        metrics_prefix: str | None = None) -> None:
         """engine_config: resolved once by the deployment (deploy/settings.py)."""
-        from iterserve.replica import AsyncLLMEngine
+        started = time.monotonic()
+        startup = StartupRecorder()
+        # This module (torch with it) was imported when Ray unpickled the class: in a pooled
+        # worker often long before this replica was asked for, else within actor_start.
+        with startup.stage("imports"):
+            from iterserve.replica import AsyncLLMEngine
 
         self.engine = AsyncLLMEngine(engine_config)
-        self._replica_id = self._current_replica_id()
-        self._stat_logger = _install_stat_logger(self.engine, self._replica_id, metrics_prefix)
+        with startup.stage("engine_start"):
+            self._replica_id = self._current_replica_id()
+            self._stat_logger = _install_stat_logger(self.engine, self._replica_id,
+                                                     metrics_prefix)
+        startup.merge(self.engine.startup)
+        ready = time.monotonic()
+        # Its start-up by stage (replica/startup.py), with when this constructor began and
+        # ended on this node's monotonic clock, so whoever asked for the replica can add what
+        # came before (the actor's start) and after (its first token).
+        self._startup = {"stages": startup.as_dict(), "started_at": started, "ready_at": ready}
+        if self._stat_logger is not None:
+            self._stat_logger.record_startup(self._startup["stages"])
         self._drain_timeout_s = drain_timeout_s
         self._num_requests = 0
         self._num_cancelled = 0  # streams closed before their end (disconnects)
@@ -158,7 +175,7 @@ class LLMReplica:
     def info(self) -> dict[str, Any]:
         """Model, resolved engine config and live stats (the ingress and tests read it)."""
         extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
-                 "num_cancelled": self._num_cancelled}
+                 "num_cancelled": self._num_cancelled, "startup": self._startup}
         return describe_engine(self.engine, extra)
 
     async def device_idle(self) -> dict[str, dict[str, float]] | None:

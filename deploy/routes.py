@@ -10,9 +10,12 @@ POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /l
 GET /metrics.
 
 /health is readiness, as vLLM's: 200 only when a request would be served now (a model
-replica has answered), 503 while the model loads and while the server drains. /live is
-liveness: 200 whenever this ingress answers, loading and draining included, so a liveness
-probe does not restart a server that is loading a model or finishing its streams.
+replica has answered; with min_replicas 0, as soon as the ingress holds the tokenizer: a
+request is then held while a replica starts, and a probe must not start one), 503 while the
+model loads and while the server drains. /live is liveness: 200 whenever this ingress
+answers, loading and draining included, so a liveness probe does not restart a server that
+is loading a model or finishing its streams. The model card, /tokenize and /detokenize are
+answered from what the ingress knows (deploy/engine_client.py): no replica is asked.
 
 Bodies are read with a size limit (413) before they are parsed, then validated by pydantic.
 """

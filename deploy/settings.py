@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from iterserve.autoscale.config import AutoscaleConfig, RouterConfig
 from iterserve.dashboards.metrics import DEFAULT_PREFIX, MetricPrefix
+from iterserve.deploy.engine_client import DEFAULT_HOLD_TIMEOUT_S
 from iterserve.deploy.llm_replica import (
     drain_timeout_for,
     replica_actor_options,
@@ -39,6 +40,8 @@ from iterserve.replica.resolve import resolve_engine_config
 # Replica bounds are AutoscaleConfig's: one declaration, one rule.
 _MIN_REPLICAS = AutoscaleConfig.model_fields["min_replicas"]
 _MAX_REPLICAS = AutoscaleConfig.model_fields["max_replicas"]
+_ZERO_DELAY = AutoscaleConfig.model_fields["downscale_to_zero_delay_s"]
+_STARTUP = AutoscaleConfig.model_fields["startup_s"]
 
 
 def _engine_field_types() -> dict[str, Any]:
@@ -105,8 +108,18 @@ class AppArgs(BaseModel):
         "default power-of-two")
     min_replicas: int = _MIN_REPLICAS  # with num_replicas="auto"
     max_replicas: int = _MAX_REPLICAS
+    downscale_to_zero_delay_s: float | None = _ZERO_DELAY
+    startup_s: float | None = _STARTUP
     max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica in-flight "
                                       "bound")
+    max_queued_requests: int | None = Field(
+        None, ge=1, description="requests Serve holds at each ingress for LLMReplica while "
+        "no replica can take them (none yet, or all at max_ongoing_requests); beyond it: 429 "
+        "with Retry-After (Serve's max_queued_requests; default: no bound)")
+    hold_timeout_s: float = Field(
+        DEFAULT_HOLD_TIMEOUT_S, gt=0, description="how long a request may wait for a "
+        "replica to take it (scaling from zero, or every replica busy); past it: 503 with "
+        "Retry-After")
     num_gpus_per_replica: float | None = Field(
         None, description="GPUs per LLMReplica (default: 1 when the cluster has GPUs, else 0)")
     num_cpus_per_replica: float | None = Field(
@@ -216,7 +229,9 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
     autoscale = None
     if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
         autoscale = AutoscaleConfig(model_name=model_name, min_replicas=app_args.min_replicas,
-                                    max_replicas=app_args.max_replicas)
+                                    max_replicas=app_args.max_replicas,
+                                    downscale_to_zero_delay_s=app_args.downscale_to_zero_delay_s,
+                                    startup_s=app_args.startup_s)
     return AppSettings(app_args, engine, router, autoscale, actor_options,
                        _drain_timeout_s(app_args, engine))
 

@@ -1,8 +1,8 @@
 """Start and stop local `iterserve serve` deployments for benchmarks and tests.
 
 `serve_mode` runs `iterserve serve --batching MODE` on a free 127.0.0.1 port in its own
-session, waits until GET /v1/models answers, and stops it with Ctrl-C (then the process
-group it started, if it hangs).
+session, waits until GET /health says it is ready, and stops it with Ctrl-C (then the
+process group it started, if it hangs).
 
 A server started here ends with the process that started it, however that ends: SIGTERM
 or SIGHUP become `Terminated` (a KeyboardInterrupt) in the starter while it holds a server
@@ -96,18 +96,21 @@ def wait_until_ready(url: str, process: subprocess.Popen[bytes] | None = None,
                      log_path: Path | None = None, api_key: str | None = None,
                      timeout_s: float = STARTUP_TIMEOUT_S,
                      headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Poll GET /v1/models until it lists a model (the engine replicas are up); returns the
-    model card. A server `process` that exits first raises, with the tail of its log."""
+    """Poll GET /health until the server is ready (a model replica answered, or the app
+    scales to zero and holds requests while one starts), then return the model card of
+    GET /v1/models (which the ingress answers itself, replica or not). A server `process`
+    that exits first raises, with the tail of its log."""
     if headers is None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            response = httpx.get(f"{url}/v1/models", headers=headers, timeout=5.0)
-            if response.status_code == 200 and response.json().get("data"):
-                return response.json()["data"][0]
-            last = f"HTTP {response.status_code}"
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                response = httpx.get(f"{url}/v1/models", headers=headers, timeout=5.0)
+                if response.status_code == 200 and response.json().get("data"):
+                    return response.json()["data"][0]
+            last = "not ready"
         except httpx.HTTPError as error:
             last = type(error).__name__
         if process is not None and process.poll() is not None:

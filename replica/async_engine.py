@@ -61,6 +61,7 @@ class _Command:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, start: bool = True) -> None:
         self.engine = LLMEngine(config)
+        self.startup = self.engine.startup
         self.config = self.engine.config
         self.model_name = self.engine.model_name
         self.tokenizer = self.engine.tokenizer

@@ -45,6 +45,7 @@ from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
+from iterserve.replica.startup import StartupRecorder
 from iterserve.replica.stats import (
     FINISH_REASON_ABORT,
     FINISH_REASON_ERROR,
@@ -62,26 +63,34 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class LLMEngine(EngineStatsReporting):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        config = resolve_engine_config(config)  # unchanged when the deployment resolved it
-        model_path = Path(config.model)
-        model_config = read_model_config(model_path)
+        # Its start-up stages (replica/startup.py), the runner's merged in below.
+        self.startup = StartupRecorder()
+        with self.startup.stage("model_config"):
+            config = resolve_engine_config(config)  # unchanged when the deployment resolved it
+            model_path = Path(config.model)
+            model_config = read_model_config(model_path)
         self.config = config
         self.clock = clock
         self.model_name = config.served_model_name
-        self.tokenizer = Tokenizer.from_pretrained(model_path)
-        generation = read_generation_config(model_path)
+        with self.startup.stage("tokenizer"):
+            self.tokenizer = Tokenizer.from_pretrained(model_path)
+            generation = read_generation_config(model_path)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             generation.eos_token_ids
         )
         self.runner = self._build_runner(config, model_path, model_config.vocab_size)
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
-                                   plans_ahead=bool(config.async_scheduling))
+        runner_startup = getattr(self.runner, "startup", None)
+        if runner_startup is not None:
+            self.startup.merge(runner_startup)
+        with self.startup.stage("engine_start"):
+            self.block_manager = BlockManager(self.runner.num_kv_blocks(),
+                                              config.cache.block_size,
+                                              config.cache.enable_prefix_caching)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
+                                       plans_ahead=bool(config.async_scheduling))
+            self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
+                                                   sorted(self.eos_token_ids))
         self._in_flight: InFlightStep | None = None  # async scheduling: the launched step
-        self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
-                                               sorted(self.eos_token_ids))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.children: dict[str, list[str]] = {}  # parent id -> child ids
         self.pending_children: dict[str, list[Request]] = {}  # held until child 0 prefilled

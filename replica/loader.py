@@ -7,7 +7,7 @@ names a shard not on disk, tensors the model needs but the files lack, a shape m
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +101,15 @@ def weight_files(path: str | Path) -> list[Path]:
                             f"model.safetensors, or shards with {INDEX_FILE}")
 
 
+def weight_files_of(path: str | Path) -> list[Path]:
+    """The files the weights are read from: a GGUF file itself, or a folder's safetensors."""
+    return [Path(path)] if is_gguf(path) else weight_files(path)
+
+
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in the files, one at a time to bound host memory."""
+    """(name, tensor) for every tensor in the files, one at a time to bound host memory. Each
+    tensor is a view of the file's mapping (safetensors 0.8 copies nothing): the one copy is
+    into the model's parameter."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # safe_open is not a mapping: keys() is required
@@ -110,12 +117,14 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
-                    ops: Ops) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for `path`'s config.json and fill it from its safetensors (or a GGUF)."""
+                    ops: Ops, copied: Callable[[int], None] | None = None
+                    ) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path`'s config.json and fill it from its safetensors (or a GGUF).
+    `copied(nbytes)` hears of every buffer written on the way besides the parameters."""
     if is_gguf(path):
         from iterserve.replica.gguf_loader import load_gguf_checkpoint
 
-        return load_gguf_checkpoint(path, dtype, device, ops)
+        return load_gguf_checkpoint(path, dtype, device, ops, copied)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
@@ -128,11 +137,13 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device |
 
 
 def load_dummy(path: str | Path, dtype: torch.dtype, device: torch.device | str, ops: Ops,
-               seed: int = 0) -> tuple[nn.Module, ModelConfig]:
+               seed: int = 0, copied: Callable[[int], None] | None = None
+               ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path`'s config.json with random weights (load_format="dummy").
 
     For benchmarks of large shapes: no safetensors are read, and the weights are drawn on the
-    target device, so a 1B-parameter model is ready in seconds.
+    target device, so a 1B-parameter model is ready in seconds (nothing but the parameters is
+    written: `copied` is never called).
     """
     model_config = read_model_config(path)
     model = build_model(model_config, dtype, device, ops)

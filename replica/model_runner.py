@@ -8,7 +8,6 @@ and samples one token for every request whose prefill or decode reached its last
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,14 @@ from iterserve.replica.attention_metadata import AttentionMetadata, count_leadin
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
-from iterserve.replica.loader import load_checkpoint, load_dummy
+from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from iterserve.replica.request import Request
 from iterserve.replica.runner_base import CompletedStep, StepHandle
 from iterserve.replica.sampler import Sampler, index_on_device
+from iterserve.replica.startup import StartupRecorder, populate_page_cache
 from iterserve.replica.step_inputs import PackedStepInputs
 
 logger = logging.getLogger(__name__)
@@ -60,28 +60,34 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
-        load = load_dummy if config.load_format == "dummy" else load_checkpoint
-        started = time.perf_counter()
-        self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops)
-        # Seconds per start-up phase (weights, KV cache, graph capture): the GPU first light
-        # measures a replica's start-up delay from them.
-        self.startup_s = {"load": time.perf_counter() - started}
+        # Seconds and bytes per start-up stage (replica/startup.py): weights, KV cache, graph
+        # capture. The replica reports them; the GPU first light reads startup_s.
+        self.startup = StartupRecorder()
+        dummy = config.load_format == "dummy"
+        if not dummy:
+            with self.startup.stage("weights_read"):
+                populate_page_cache(weight_files_of(model_path))
+        load = load_dummy if dummy else load_checkpoint
+        with self.startup.stage("weights_place") as stage:
+            self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops,
+                                                 copied=stage.copied)
+            stage.copied(sum(p.nbytes for p in self.model.parameters()))
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 0)
         self.sampler = Sampler(config.seed, self.device)
         self._remember_sampled([], None)
-        started = time.perf_counter()
-        self._num_blocks = self._decide_num_blocks()
-        shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
-                 self.model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.model_config.num_hidden_layers)
-        ]
-        self.startup_s["kv_cache"] = time.perf_counter() - started  # sized (profiled) and allocated
+        with self.startup.stage("kv_cache") as stage:  # sized (profiled) and allocated
+            self._num_blocks = self._decide_num_blocks()
+            shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
+                     self.model_config.head_dim)
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.model_config.num_hidden_layers)
+            ]
+            stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -90,9 +96,13 @@ class ModelRunner:
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
                                                                  // self.block_size),
                                             kv_splits_for=self._decode_kv_splits)
-            started = time.perf_counter()
-            self.graphs.capture()
-            self.startup_s["graphs"] = time.perf_counter() - started
+            with self.startup.stage("graphs"):
+                self.graphs.capture()
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Seconds per start-up stage this runner went through."""
+        return self.startup.seconds()
 
     # ------------------------------------------------------------------------------ memory
     @property

@@ -1,6 +1,6 @@
 """A stand-in OpenAI streaming server with known timings, for testing the load tools.
 
-It answers POST /v1/completions (streamed or not), GET /v1/models and GET /metrics with a
+It answers POST /v1/completions (streamed or not), GET /health, /v1/models and /metrics with a
 fixed time to first token and a fixed gap between tokens, so tests can check that Locust and
 `bench` measure what they claim. It is not the iterserve server; `iterserve serve` is.
 """
@@ -54,6 +54,8 @@ def _handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_GET(self) -> None:
+            if self.path == "/health":
+                return self._send(200, b'{"status": "ok"}', "application/json")
             if self.path == "/v1/models":
                 models = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
                 return self._send(200, json.dumps(models).encode(), "application/json")

@@ -86,6 +86,9 @@ class RayDefaultAutoscaler:
         ongoing = sum(s.num_running + s.num_waiting for s in _live(ctx)) + ctx.queued_at_handles
         current = ctx.target_replicas
         want = ray_desired_replicas(ongoing, ctx.current_replicas, self.config)
+        if ctx.current_replicas == 0 and want > 0:  # Serve's cold start skips the delay
+            self._up_since = self._down_since = None
+            return max(want, current)
         if want > current:
             self._down_since = None
             self._up_since = ctx.now if self._up_since is None else self._up_since
@@ -125,7 +128,9 @@ def hpa_recommendation(ctx: ScalingContext, config: ThresholdConfig) -> int:
     the largest wins; a ratio within tolerance of 1 keeps current."""
     live = _live(ctx)
     current = max(ctx.current_replicas, 1)
-    if not live:
+    if not live:  # KEDA's activation: from zero, any demand asks for one replica
+        if ctx.target_replicas < 1 and ctx.queued_at_handles > 0:
+            return _clamp(1, 1, config.max_replicas)
         return ctx.target_replicas
     n = len(live)
     waiting = (sum(s.num_waiting for s in live) + ctx.queued_at_handles) / n
@@ -161,14 +166,41 @@ class ThresholdAutoscaler:
 
 
 # ----------------------------------------------------------------------------- iterserve
+class ServeScaleDown:
+    """What Serve's controller does with a custom policy's scale-down (Ray 2.60,
+    `ray.serve.autoscaling_policy._apply_delay_logic`, with the upscale and downscale
+    delays iterserve sets to 0): a scale-down lands on at least 1 unless it starts from 1,
+    and 1 -> 0 happens once the policy has asked for it on every tick for
+    downscale_to_zero_delay_s (None: at once); a tick asking anything else restarts it."""
+
+    def __init__(self, downscale_to_zero_delay_s: float | None) -> None:
+        self.delay_s = downscale_to_zero_delay_s or 0.0
+        self._since: float | None = None
+
+    def apply(self, desired: int, target: int, now: float) -> int:
+        if desired >= target:
+            self._since = None
+            return desired
+        if target > 1:
+            self._since = None
+            return max(1, desired)
+        self._since = now if self._since is None else self._since
+        if now - self._since >= self.delay_s:
+            self._since = None
+            return desired
+        return target
+
+
 class IterserveAutoscaler:
     """iterserve's policy (`policy.decide`), its state carried between ticks as Serve's
-    controller carries `policy_state` for `KVAutoscalingPolicy`."""
+    controller carries `policy_state` for `KVAutoscalingPolicy`, its answer applied as
+    Serve applies it (`ServeScaleDown`)."""
 
     def __init__(self, config: AutoscaleConfig | None = None) -> None:
         self.config = config or AutoscaleConfig()
         self.name = "iterserve"
         self._state: dict[str, Any] = {}
+        self._serve = ServeScaleDown(self.config.downscale_to_zero_delay_s)
         self.last_reason = ""
 
     def desired_replicas(self, ctx: ScalingContext) -> int:
@@ -176,4 +208,4 @@ class IterserveAutoscaler:
                              ctx.queued_at_handles, self._state)
         decision, self._state = decide(ctx, self.config)
         self.last_reason = decision.reason
-        return decision.desired
+        return self._serve.apply(decision.desired, ctx.target_replicas, ctx.now)

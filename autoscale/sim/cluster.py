@@ -34,7 +34,11 @@ cluster does to them, as Ray Serve does:
   metrics_push_interval_s; every autoscale_interval_s the policy sees each running replica's
   mean over look_back_period_s and the requests queued at routers;
 * a new replica serves startup_delay_s after the decision (paid for from the decision); a
-  removed one leaves the routers at once, drains its requests, then stops.
+  removed one leaves the routers at once, drains its requests, then stops;
+* zero replicas: requests wait at their routers; scaling from zero is the policy's rule
+  (`decide` asks for one replica when requests wait and none runs, as Serve's controller
+  does), not the simulator's; `IterserveAutoscaler` applies Serve's own scale-down rules
+  (`ServeScaleDown`: to 1 first, 1 -> 0 after downscale_to_zero_delay_s).
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ class ClusterSim:
                  autoscaler: AutoscalingPolicy | None) -> None:
         if not routers:
             raise ValueError("need at least one router")
-        if num_replicas < 1:
-            raise ValueError(f"need at least one replica, got {num_replicas}")
+        if num_replicas < (0 if autoscaler is not None else 1):
+            raise ValueError(f"need at least one replica (none only with an autoscaler), got "
+                             f"{num_replicas}")
         if config.router_sync_delay_s is not None and not all(
                 isinstance(p, PeerSyncedPolicy) for p in routers):
             raise ValueError("router_sync_delay_s needs routers that hear their peers' sends "
@@ -387,8 +392,12 @@ class ClusterSim:
                              target_replicas=self.target, signals=signals,
                              queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
         desired = self.autoscaler.desired_replicas(ctx)
-        if desired < 1 and ctx.queued_at_handles > 0:
-            desired = 1  # Serve scales from zero as soon as a request waits at a handle
+        if desired < 1 and ctx.queued_at_handles > 0 and not any(
+                s.state in (RUNNING, STARTING) for s in self.slots):
+            # Serve's controller asks for a replica before any custom policy runs: a policy
+            # here must do the same (the requests would wait forever, and so would this loop)
+            raise ValueError(f"autoscaler {self.autoscaler.name!r} keeps 0 replicas while "
+                             f"{ctx.queued_at_handles:.0f} requests wait at the routers")
         if desired > self.target:
             for _ in range(desired - self.target):
                 self._start_slot(ready_at=self.now + self.config.startup_delay_s)
@@ -442,7 +451,9 @@ def simulate(workload: Sequence[WorkloadRequest], routers: Sequence[RoutingPolic
              progress: Callable[[float], None] | None = None) -> SimResult:
     """Run the workload through the cluster until every request finishes (see module doc).
 
-    num_replicas: replicas ready at t=0 (the autoscaler's starting target). routers: one
+    num_replicas: replicas ready at t=0 (the autoscaler's starting target; 0, with an
+    autoscaler, starts from zero: the first requests wait for the replica its policy must ask
+    for, as on Serve; a policy that leaves them waiting with none is a ValueError). routers: one
     policy object per ingress router, fresh for each run (they keep state). progress:
     called with the virtual time every 10 virtual seconds (see ClusterSim.run).
     """

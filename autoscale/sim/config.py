@@ -23,6 +23,18 @@ class ClusterSimConfig:
     decision to serving: model load, compile, warm-up). fast_forward: advance replicas
     through pure-decode stretches in one jump (same results; see simulated_replica).
 
+    startup_delay_s from a measurement (loadtests/studies/replica_startup, a start on Ray
+    Serve from a request at zero replicas): the sum of its stages but the last,
+
+        startup_delay_s = actor_start + imports + model_config + tokenizer + weights_read
+                          + weights_place + kv_cache + graphs + engine_start
+
+    (first_token is left out: the simulator charges every request its own first token; the
+    un-timed rest of the start, under 1 %, is in no stage). The default, 30 s, is taken from
+    published figures (production-anchors.md: 30-60 s cold starts at min_replicas 0); the
+    same value is AutoscaleConfig.startup_s, the policy's look-ahead, when the policy knows
+    it.
+
     Ray path latency outside the replicas (0: none; measure them with
     loadtests/ray_path_latency): dispatch_latency_s from the router's choice to the replica
     receiving the request (handle routing, actor call), stream_latency_s from a token

@@ -9,6 +9,7 @@ torch reference on CPU and the Triton kernels on CUDA.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,6 +31,14 @@ STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 
+
+class WeightSource(Protocol):
+    """A weight that writes itself into its parameter (no dense copy of it in between)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def write_into(self, dest: torch.Tensor) -> None: ...
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -178,8 +187,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]]) -> None:
         """Copy HF-named tensors in, stacking q/k/v and gate/up into the fused projections.
+        A `WeightSource` (a GGUF tensor) writes itself into its destination instead.
 
         Tensors the model does not use (rotary inv_freq, a tied lm_head) are skipped.
         ValueError names a tensor of the wrong shape, or every expected tensor never seen.
@@ -194,7 +204,10 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(dest.shape)} (for {target})")
-            dest.copy_(tensor)
+            if isinstance(tensor, torch.Tensor):
+                dest.copy_(tensor)
+            else:
+                tensor.write_into(dest)
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:

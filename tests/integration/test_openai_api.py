@@ -92,6 +92,11 @@ def test_models_list_reports_engine_config(client: openai.OpenAI, base_url: str,
     for key in ("max_num_batched_tokens", "enable_chunked_prefill", "block_size",
                 "scheduler_policy", "batching", "num_gpu_blocks"):
         assert key in meta
+    # The ingress answers the card itself (no replica asked): the config it resolved is the
+    # one the replica runs, value for value
+    replica = replica_infos(base_url, auth)[0]
+    assert {k: meta[k] for k in replica["config"]} == replica["config"]
+    assert card["id"] == replica["model_name"]
 
 
 def test_completion(client: openai.OpenAI, model: str, base_url: str,

@@ -18,8 +18,11 @@ import pytest
 
 from iterserve.deploy.engine_client import MAX_ATTEMPTS, HandleEngineClient
 from iterserve.deploy.errors import OpenAIHTTPError
+from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
+
+ENGINE = EngineConfig.from_kwargs(model="/models/m")
 
 
 class ActorDiedError(Exception):
@@ -46,6 +49,9 @@ class FakeStream:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    async def _fetch_future_result_async(self) -> FakeStream:
+        return self  # given to a replica at once
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -76,7 +82,7 @@ async def collect(client: HandleEngineClient) -> list[RequestOutput]:
 def test_replica_death_before_first_token_is_retried() -> None:
     handle = FakeHandle([[ActorDiedError("replica killed")],
                          [output(1, False), output(2, True)]])
-    outs = asyncio.run(collect(HandleEngineClient(handle)))
+    outs = asyncio.run(collect(HandleEngineClient(handle, ENGINE)))
     assert [o.new_text for o in outs] == ["t1", "t2"] and handle.calls == 2
 
 
@@ -84,13 +90,13 @@ def test_replica_death_after_first_token_is_not_retried() -> None:
     handle = FakeHandle([[output(1, False), ActorDiedError("replica killed")],
                          [output(1, False), output(2, True)]])
     with pytest.raises(OpenAIHTTPError) as info:
-        asyncio.run(collect(HandleEngineClient(handle)))
+        asyncio.run(collect(HandleEngineClient(handle, ENGINE)))
     assert info.value.status_code == 503 and handle.calls == 1
 
 
 def test_replica_death_every_time_ends_in_503() -> None:
     handle = FakeHandle([[ActorDiedError("replica killed")]])
     with pytest.raises(OpenAIHTTPError) as info:
-        asyncio.run(collect(HandleEngineClient(handle)))
+        asyncio.run(collect(HandleEngineClient(handle, ENGINE)))
     assert info.value.status_code == 503 and info.value.headers.get("Retry-After")
     assert handle.calls == MAX_ATTEMPTS  # bounded: a few attempts, then a 503

@@ -161,6 +161,21 @@ def test_a_burst_shorter_than_the_window_quantile_adds_no_headroom():
     assert sustained[-1] > 2
 
 
+def test_look_ahead_scales_a_slow_starting_model_earlier():
+    """Running sequences growing 0.1/s per replica: at 60 s the sustained load (6.5 per
+    replica) is below high_running_per_replica (8); projected 30 s ahead along its trend it is
+    9.5: a model that starts in 30 s scales now, one that starts in 5 s (7.0) does not yet."""
+    growing = timeline(lambda t: 5.0 + 0.1 * t, 60.0)
+    assert run(growing, HEADROOM)[-1] == 2  # no look-ahead: nothing yet
+    slow = AutoscaleConfig(**{**HEADROOM.model_dump(), "startup_s": 30.0})
+    fast = AutoscaleConfig(**{**HEADROOM.model_dump(), "startup_s": 5.0})
+    assert run(growing, slow)[-1] == 4  # ceil(19 / 6)
+    assert run(growing, fast)[-1] == 2
+    # a falling load projects nothing (the trend counts growth only)
+    falling = timeline(lambda t: 11.0 - 0.1 * t, 60.0)
+    assert run(falling, slow)[-1] == run(falling, HEADROOM)[-1]
+
+
 def test_headroom_holds_while_replicas_start():
     t = timeline(lambda t: 20.0, 60.0)
     t[-1] = (60.0, t[-1][1], 2, 3)  # target 3, 2 running: the last decision holds

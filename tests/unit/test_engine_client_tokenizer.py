@@ -4,7 +4,8 @@ Found by the node-loss experiment (RELIABILITY.md section 8): the first burst of
 requests each loaded its own copy of the tokenizer in a thread, and on a loaded 2-core box
 those concurrent loads held every request 12-17 s in the ingress before any reached a
 replica. `HandleEngineClient` is driven by a fake handle (no Ray); `load_tokenizer` is
-replaced by a slow counting stand-in so that the overlap is certain.
+replaced by a slow counting stand-in so that the overlap is certain. The ingress knows the
+model's path from the engine config it is given: the tokenizer's load asks no replica.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import pytest
 
 from iterserve.deploy import engine_client
 from iterserve.deploy.engine_client import HandleEngineClient
+from iterserve.replica.config import EngineConfig
 
 INFO = {"model_name": "m", "model_path": "/models/m", "max_model_len": 64, "max_logprobs": 5}
+ENGINE = EngineConfig.from_kwargs(model="/models/m", max_model_len=64)
 
 
 class InfoHandle:
@@ -65,17 +68,17 @@ def test_concurrent_cold_requests_load_the_tokenizer_once(monkeypatch: pytest.Mo
     loader = SlowLoader()
     monkeypatch.setattr(engine_client, "load_tokenizer", loader)
     handle = InfoHandle()
-    client = HandleEngineClient(handle)
+    client = HandleEngineClient(handle, ENGINE)
     tokenizers = asyncio.run(_ask(client, 16))
     assert loader.paths == ["/models/m"]
-    assert handle.calls == 1
+    assert handle.calls == 0  # no replica asked
     assert all(t is tokenizers[0] for t in tokenizers)
 
 
 def test_a_failed_load_is_retried_by_the_next_request(monkeypatch: pytest.MonkeyPatch) -> None:
     loader = SlowLoader(fail_first=True)
     monkeypatch.setattr(engine_client, "load_tokenizer", loader)
-    client = HandleEngineClient(InfoHandle())
+    client = HandleEngineClient(InfoHandle(), ENGINE)
     results = asyncio.run(_ask(client, 4))
     failed = [r for r in results if isinstance(r, OSError)]
     loaded = [r for r in results if not isinstance(r, BaseException)]

@@ -60,7 +60,8 @@ def test_dry_run_writes_every_stage_and_a_fitted_cost_model(tmp_path: Path) -> N
     cost = CostModel(**json.loads((tmp_path / "cost_model.json").read_text()))
     assert cost.a_s > 0
     startup = json.loads((tmp_path / "startup.json").read_text())
-    assert {"load", "kv_cache", "ready_s"} <= set(startup["step probe model, bf16 (dummy weights)"])
+    assert {"weights_place", "kv_cache", "ready_s"} <= set(
+        startup["step probe model, bf16 (dummy weights)"])
 
 
 @pytest.mark.slow

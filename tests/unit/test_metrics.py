@@ -136,6 +136,7 @@ def _exposition(prefix: str) -> str:
     registry = CollectorRegistry()
     logger = m.PrometheusStatLogger("tiny", "r0", registry=registry, prefix=prefix)
     logger.record(_engine(num_preemptions=1), _iteration(), [_finished()])
+    logger.record_startup({"weights_place": {"seconds": 1.5, "bytes_copied": 2e9}})
     router = m.RouterMetrics("tiny", registry=registry, prefix=prefix)
     router.record_decision("r0")
     router.record_sync_exchange("ok")

@@ -61,7 +61,7 @@ def local_serve(engine_kwargs: dict[str, Any], num_replicas: int) -> Iterator[st
         deadline = time.monotonic() + 300
         while True:
             try:
-                if httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200:
+                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass  # not listening yet; the deadline below bounds the wait

@@ -88,7 +88,7 @@ QUICK_RATE = 12.0
 CELL_KEYS = ("kind", "workload", "replicas", "load", "router", "autoscaler", "cost_scale",
              "seed", "duration_s")
 # keyed only where present, so that the generated workloads' cells keep their stored keys
-TRACE_KEYS = ("trace_sha256", "speed", "hash_block_size", "max_model_len")
+TRACE_KEYS = ("trace_sha256", "speed", "hash_block_size", "max_model_len", "startup_delay_s")
 
 
 def cell_key(cell: dict[str, Any]) -> str:

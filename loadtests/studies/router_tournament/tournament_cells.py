@@ -76,8 +76,10 @@ ROUTERS: dict[str, Callable[[], RoutingPolicy]] = {
 }
 
 
-def autoscaler_for(name: str, lo: int, hi: int, fixed: int) -> AutoscalingPolicy:
-    """The autoscaling contestants with bounds [lo, hi]; `fixed` for the static arm."""
+def autoscaler_for(name: str, lo: int, hi: int, fixed: int,
+                   startup_s: float = 30.0) -> AutoscalingPolicy:
+    """The autoscaling contestants with bounds [lo, hi]; `fixed` for the static arm;
+    `startup_s` (the cell's replica start-up) for iterserve's look-ahead arm."""
     if name == "fixed":
         return FixedReplicas(fixed)
     if name == "ray-default":
@@ -86,6 +88,11 @@ def autoscaler_for(name: str, lo: int, hi: int, fixed: int) -> AutoscalingPolicy
         return ThresholdAutoscaler(ThresholdConfig(min_replicas=lo, max_replicas=hi))
     if name == "iterserve":
         return IterserveAutoscaler(AutoscaleConfig(min_replicas=lo, max_replicas=hi))
+    if name == "iterserve-ahead":  # the headroom rule looking one start-up ahead
+        scaler = IterserveAutoscaler(AutoscaleConfig(min_replicas=lo, max_replicas=hi,
+                                                     startup_s=startup_s))
+        scaler.name = name
+        return scaler
     raise ValueError(f"unknown autoscaler {name!r}")
 
 
@@ -223,10 +230,11 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     or, in place of the generated workload, a trace (`cell_requests`); optional autoscaler
     (name), min/max/fixed replicas, the routers' information: ingress_routers (default
     NUM_INGRESS_ROUTERS), routing_stats_period_s and router_sync_delay_s, and the replicas'
-    max_model_len (default the simulator's). Returns cell + its summary."""
+    max_model_len and startup_delay_s (default the simulator's). Returns cell + its
+    summary."""
     config = sim_config(cell.get("cost_scale"), cell["seed"])
     information = {k: cell[k] for k in ("routing_stats_period_s", "router_sync_delay_s",
-                                        "max_model_len") if k in cell}
+                                        "max_model_len", "startup_delay_s") if k in cell}
     if information:
         config = dataclasses.replace(config, **information)
     requests = cell_requests(cell)
@@ -235,7 +243,8 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     autoscaler = None
     if cell.get("autoscaler"):
         autoscaler = autoscaler_for(cell["autoscaler"], cell["min_replicas"],
-                                    cell["max_replicas"], cell["replicas"])
+                                    cell["max_replicas"], cell["replicas"],
+                                    config.startup_delay_s)
     cpu = time.process_time()
     result = simulate(requests, routers, cell["replicas"], config, autoscaler)
     out = dict(cell)
