@@ -20,6 +20,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
 LOAD_FORMATS = ("auto", "dummy")
+# The CPU paths (replica/cpu_linear.py), each a setting so that one build runs the ablation;
+# "auto" is the fast path on CPU (replica/resolve.py).
+CPU_LINEARS = ("auto", "onednn", "torch")
 
 
 
@@ -166,6 +169,9 @@ class EngineConfig:
     # leaving a core to the ingress and proxy.
     cpu_threads: int | None = setting(1, "torch intra-op threads on CPU (process-wide; "
                                       "iterserve serve: every core but one)")
+    cpu_linear: str = setting("auto", "CPU linears: onednn (weights prepacked once, checked "
+                              "against F.linear at start) or torch (F.linear)",
+                              choices=CPU_LINEARS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -179,6 +185,9 @@ class EngineConfig:
                  f"unknown load_format {self.load_format!r}; choose one of {LOAD_FORMATS}")
         _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        for name, choices in (("cpu_linear", CPU_LINEARS),):
+            _require(getattr(self, name) in choices,
+                     f"unknown {name} {getattr(self, name)!r}; choose one of {choices}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -214,7 +223,8 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
         return (self.model is not None and self.served_model_name is not None
-                and "auto" not in (self.dtype, self.device, self.attention_backend)
+                and "auto" not in (self.dtype, self.device, self.attention_backend,
+                                   self.cpu_linear)
                 and self.async_scheduling is not None
                 and self.scheduler.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None)

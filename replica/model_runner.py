@@ -16,6 +16,7 @@ import torch
 from iterserve.replica.async_output import PendingOutput
 from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy
@@ -61,6 +62,8 @@ class ModelRunner:
         self.ops = select_ops(self.attention_backend)
         load = load_dummy if config.load_format == "dummy" else load_checkpoint
         self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops)
+        self._linear_path = (pack_linears(self.model, config.cpu_linear)
+                             if self.device.type == "cpu" else "")
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -84,6 +87,14 @@ class ModelRunner:
                                                                  // self.block_size),
                                             kv_splits_for=self._decode_kv_splits)
             self.graphs.capture()
+
+    @property
+    def cpu_paths(self) -> dict[str, str]:
+        """Which CPU path each part runs ("onednn", "torch"; a fallback says why), for the
+        benchmarks and tests: a fallback is visible, never silent. Empty on CUDA."""
+        if self.device.type != "cpu":
+            return {}
+        return {"linear": self._linear_path}
 
     # ------------------------------------------------------------------------------ memory
     @property

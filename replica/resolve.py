@@ -4,8 +4,8 @@
 
 Made concrete: the model (a name or None -> the file or folder, replica/model_source.py), the
 served model name, the device, the dtype, the attention backend, async scheduling (on exactly
-when the model runs on CUDA), max_model_len (bounded by the model and its sliding window) and
-max_num_batched_tokens. The deployment resolves its engine
+when the model runs on CUDA), the CPU paths (oneDNN linears on CPU), max_model_len (bounded
+by the model and its sliding window) and max_num_batched_tokens. The deployment resolves its engine
 settings once on the driver and passes the resolved config down; the engine resolves what it
 is given, which changes nothing when it is already resolved (idempotent), so `/v1/models`
 shows the values the engine really uses. The number of KV blocks is not resolved here: it
@@ -46,8 +46,10 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
     overlap = config.async_scheduling
     if overlap is None:  # overlapping pays where a GPU runs apart from the CPU
         overlap = on_cuda and config.runner == "model"
-    config = dataclasses.replace(config, device=device, dtype=dtype, attention_backend=backend,
-                                 async_scheduling=overlap)
+    # The CPU paths' fast choices on CPU; on CUDA none of them runs (F.linear, Triton).
+    config = dataclasses.replace(
+        config, device=device, dtype=dtype, attention_backend=backend, async_scheduling=overlap,
+        cpu_linear=_concrete(config.cpu_linear, "torch" if on_cuda else "onednn"))
     try:
         model_path = resolve_model_path(config.model)
         model_config = read_model_config(model_path)
@@ -66,3 +68,7 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
         served_model_name=config.served_model_name or model_display_name(model_path),
         scheduler=scheduler,
     )
+
+
+def _concrete(value: str, auto: str) -> str:
+    return auto if value == "auto" else value
