@@ -20,9 +20,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
 LOAD_FORMATS = ("auto", "dummy")
-# The CPU paths (replica/cpu_linear.py), each a setting so that one build runs the ablation;
-# "auto" is the fast path on CPU (replica/resolve.py).
+# The CPU paths (replica/cpu_linear.py, replica/cpu_attention.py), each a setting so that one
+# build runs the ablation; "auto" is the fast path on CPU (replica/resolve.py).
 CPU_LINEARS = ("auto", "onednn", "torch")
+CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
+CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
 
 
 
@@ -172,6 +174,11 @@ class EngineConfig:
     cpu_linear: str = setting("auto", "CPU linears: onednn (weights prepacked once, checked "
                               "against F.linear at start) or torch (F.linear)",
                               choices=CPU_LINEARS)
+    cpu_prefill_attention: str = setting("auto", "CPU prefill chunks' attention: sdpa or loop "
+                                         "(kernels/reference.py)", choices=CPU_PREFILL_ATTENTIONS)
+    cpu_decode_attention: str = setting(
+        "auto", "CPU decode attention: blocks (compiled, over (sequence, KV block) pairs, in "
+        "place) or loop (kernels/reference.py)", choices=CPU_DECODE_ATTENTIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -185,7 +192,9 @@ class EngineConfig:
                  f"unknown load_format {self.load_format!r}; choose one of {LOAD_FORMATS}")
         _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
-        for name, choices in (("cpu_linear", CPU_LINEARS),):
+        for name, choices in (("cpu_linear", CPU_LINEARS),
+                              ("cpu_prefill_attention", CPU_PREFILL_ATTENTIONS),
+                              ("cpu_decode_attention", CPU_DECODE_ATTENTIONS)):
             _require(getattr(self, name) in choices,
                      f"unknown {name} {getattr(self, name)!r}; choose one of {choices}")
 
@@ -224,7 +233,8 @@ class EngineConfig:
         """Every "auto" made concrete and every derived value filled (replica/resolve.py)."""
         return (self.model is not None and self.served_model_name is not None
                 and "auto" not in (self.dtype, self.device, self.attention_backend,
-                                   self.cpu_linear)
+                                   self.cpu_linear, self.cpu_prefill_attention,
+                                   self.cpu_decode_attention)
                 and self.async_scheduling is not None
                 and self.scheduler.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None)

@@ -16,6 +16,7 @@ import torch
 from iterserve.replica.async_output import PendingOutput
 from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
@@ -60,6 +61,11 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
+        self.cpu_attention: CpuAttention | None = None
+        if self.device.type == "cpu" and self.attention_backend == "torch":
+            self.cpu_attention = CpuAttention(config.cpu_prefill_attention,
+                                              config.cpu_decode_attention)
+            self.ops = self.cpu_attention.ops(self.ops)
         load = load_dummy if config.load_format == "dummy" else load_checkpoint
         self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops)
         self._linear_path = (pack_linears(self.model, config.cpu_linear)
@@ -73,11 +79,17 @@ class ModelRunner:
         self._num_blocks = self._decide_num_blocks()
         shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                  self.model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.model_config.num_hidden_layers)
-        ]
+        if self.cpu_attention is not None:
+            self.kv_caches = [self.cpu_attention.allocate(*shape, self.dtype)
+                              for _ in range(self.model_config.num_hidden_layers)]
+            self.cpu_attention.warm_up(self.kv_caches[0], self.model_config.num_attention_heads,
+                                       self.dtype)
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.model_config.num_hidden_layers)
+            ]
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -90,11 +102,15 @@ class ModelRunner:
 
     @property
     def cpu_paths(self) -> dict[str, str]:
-        """Which CPU path each part runs ("onednn", "torch"; a fallback says why), for the
-        benchmarks and tests: a fallback is visible, never silent. Empty on CUDA."""
+        """Which CPU path each part runs ("onednn", "sdpa", "blocks", ...; a fallback says
+        why), for the benchmarks and tests: a fallback is visible, never silent. Empty on
+        CUDA."""
         if self.device.type != "cpu":
             return {}
-        return {"linear": self._linear_path}
+        attention = (self.cpu_attention.paths if self.cpu_attention is not None else
+                     {"prefill_attention": self.attention_backend,
+                      "decode_attention": self.attention_backend})
+        return {"linear": self._linear_path, **attention}
 
     # ------------------------------------------------------------------------------ memory
     @property
@@ -258,6 +274,11 @@ class ModelRunner:
         decode_lens = prepared.seq_lens[:num_decodes]
         splits = self._decode_kv_splits(num_decodes, int(decode_lens.max())) if num_decodes else 1
         work: dict[str, np.ndarray] = {}
+        if self.cpu_attention is not None and self.cpu_attention.decode == "blocks":
+            if num_decodes:  # the CPU decode's (sequence, block) pairs, once per step
+                work["split_work"] = decode_work(decode_lens, prepared.block_tables,
+                                                 self.block_size)
+            return num_decodes, splits, work
         if self.attention_backend != "triton":
             return num_decodes, splits, work
         from iterserve.kernels import work_lists

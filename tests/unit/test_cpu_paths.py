@@ -1,4 +1,9 @@
-"""The engine's CPU linears through oneDNN: the setting, the packed weights and the fallback."""
+"""The engine's CPU paths: oneDNN linears, SDPA prefill and compiled block decode attention,
+their settings and fallbacks.
+
+The attention kernels themselves are checked against kernels/reference.py in
+tests/kernels/test_cpu_attention.py; here the engine runs them.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,57 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.replica import LLM, cpu_linear
+from iterserve.replica import LLM, SamplingParams, cpu_linear
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.models.layers import Linear
 from iterserve.replica.resolve import resolve_engine_config
+
+ALL_LOOPS = dict(cpu_linear="torch", cpu_prefill_attention="loop", cpu_decode_attention="loop")
+FAST = {"linear": "onednn", "prefill_attention": "sdpa", "decode_attention": "blocks"}
 
 
 def tiny(**kwargs: object) -> LLM:
     return LLM("iterserve-tiny", max_model_len=512, num_gpu_blocks_override=256, **kwargs)
 
 
-def test_cpu_linear_resolves_to_onednn_on_cpu_and_torch_on_cuda() -> None:
+def test_cpu_paths_resolve_fast_on_cpu_and_unused_on_cuda() -> None:
     on_cpu = resolve_engine_config(EngineConfig(model="iterserve-tiny"), cuda_available=False)
-    assert on_cpu.cpu_linear == "onednn"
+    assert (on_cpu.cpu_linear, on_cpu.cpu_prefill_attention,
+            on_cpu.cpu_decode_attention) == ("onednn", "sdpa", "blocks")
     on_cuda = resolve_engine_config(EngineConfig(model="iterserve-tiny"), cuda_available=True)
-    assert on_cuda.cpu_linear == "torch"
-    chosen = EngineConfig.from_kwargs(model="iterserve-tiny", cpu_linear="torch")
+    assert (on_cuda.cpu_linear, on_cuda.cpu_prefill_attention,
+            on_cuda.cpu_decode_attention) == ("torch", "loop", "loop")
+    chosen = EngineConfig.from_kwargs(model="iterserve-tiny", **ALL_LOOPS)
     assert resolve_engine_config(chosen, cuda_available=False).cpu_linear == "torch"
-    with pytest.raises(ValueError, match="cpu_linear"):
-        EngineConfig.from_kwargs(cpu_linear="mkl")
+    with pytest.raises(ValueError, match="cpu_decode_attention"):
+        EngineConfig.from_kwargs(cpu_decode_attention="padded")
+
+
+def test_decode_attention_runs_compiled_on_this_machine() -> None:
+    """Fails (never skips) when the block decode falls back to the loop here: a missing C++
+    compiler or an inductor regression would otherwise cost 2-5x silently."""
+    llm = tiny()
+    assert llm.engine.runner.cpu_paths == FAST
+    assert llm.engine.runner.cpu_attention.compile_seconds > 0
+    llm.generate(["a b c", "d e f g h"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert llm.engine.runner.cpu_paths == FAST  # nothing fell back while decoding
+
+
+def test_fast_paths_keep_greedy_tokens_through_prefix_hits_chunks_and_preemption() -> None:
+    """The fast paths against the reference loops and F.linear on one workload: shared
+    prefixes (cache hits), prompts longer than the step budget (chunks after a cached part),
+    and few KV blocks, so requests preempt and recompute."""
+    shared = " ".join(f"w{i}" for i in range(40))
+    prompts = [shared + f" tail {i} " + "x " * (i * 7) for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outputs = {}
+    for name, kwargs in (("fast", {}), ("loops", ALL_LOOPS)):
+        llm = LLM("iterserve-tiny", max_model_len=512, num_gpu_blocks_override=24,
+                  max_num_batched_tokens=64, max_num_seqs=8, **kwargs)
+        outputs[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler
+        assert stats.num_preemptions > 0, name  # the workload did preempt
+    assert outputs["fast"] == outputs["loops"]
 
 
 def test_onednn_linears_match_f_linear_on_the_tiny_model() -> None:
@@ -52,6 +89,7 @@ def test_a_packed_linear_that_differs_falls_back_to_f_linear_loudly(
 
 
 def test_torch_linears_pack_nothing() -> None:
-    runner = tiny(cpu_linear="torch").engine.runner
-    assert runner.cpu_paths == {"linear": "torch"}
+    runner = tiny(**ALL_LOOPS).engine.runner
+    assert runner.cpu_paths == {"linear": "torch", "prefill_attention": "loop",
+                                "decode_attention": "loop"}
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
