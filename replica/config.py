@@ -61,7 +61,14 @@ class CacheConfig:
         ("kv_cache_free_gpu_memory_fraction",))
     num_gpu_blocks_override: int | None = setting(
         None, "number of KV blocks (skips profiling)")
-    cpu_kv_cache_bytes: int = setting(512 * 1024**2, "KV cache budget in bytes on CPU")
+    # None: sized at start from the memory then free (replica/cpu_memory.py), as vLLM's CPU
+    # backend sizes its KV space from the node's memory.
+    cpu_kv_cache_bytes: int | None = setting(
+        None, "KV cache budget in bytes on CPU (default: gpu_memory_utilization of the memory "
+        "free at start, shared among cpu_replicas_per_node, capped at max_num_seqs full-length "
+        "requests)")
+    cpu_replicas_per_node: int = setting(
+        1, "engines sharing this node's memory on CPU (the Serve app sets its replica count)")
     enable_prefix_caching: bool = setting(True, "share full prompt blocks between requests")
     # Only 0 is accepted: preemption recomputes (vLLM v1's choice too); the setting exists so
     # that vLLM command lines fail loudly, not silently.
@@ -75,7 +82,9 @@ class CacheConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                  f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
+        _require(self.cpu_kv_cache_bytes is None or self.cpu_kv_cache_bytes > 0,
+                 "cpu_kv_cache_bytes must be positive")
+        _require(self.cpu_replicas_per_node >= 1, "cpu_replicas_per_node must be >= 1")
         _require(self.swap_space == 0,
                  f"swap_space={self.swap_space}: swapping KV blocks to host memory is not "
                  "implemented; preemption recomputes instead. Leave swap_space at 0")

@@ -18,6 +18,7 @@ from iterserve.replica.attention_metadata import AttentionMetadata, count_leadin
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
+from iterserve.replica.cpu_memory import cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy
@@ -127,7 +128,10 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return max(1, cache.cpu_kv_cache_bytes // self.kv_bytes_per_block)
+            sched = self.config.scheduler
+            budget = cpu_kv_cache_bytes(cache, self.kv_bytes_per_block, sched.max_num_seqs,
+                                        sched.max_model_len)
+            return max(1, budget // self.kv_bytes_per_block)
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:

@@ -1,5 +1,5 @@
 """The engine's CPU paths: oneDNN linears, SDPA prefill and compiled block decode attention,
-their settings and fallbacks.
+their settings and fallbacks, and the CPU KV cache sized from free memory.
 
 The attention kernels themselves are checked against kernels/reference.py in
 tests/kernels/test_cpu_attention.py; here the engine runs them.
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.replica import LLM, SamplingParams, cpu_linear
-from iterserve.replica.config import EngineConfig
+from iterserve.deploy.settings import AppArgs
+from iterserve.replica import LLM, SamplingParams, cpu_linear, cpu_memory
+from iterserve.replica.config import CacheConfig, EngineConfig
 from iterserve.replica.models.layers import Linear
 from iterserve.replica.resolve import resolve_engine_config
 
@@ -93,3 +94,31 @@ def test_torch_linears_pack_nothing() -> None:
     assert runner.cpu_paths == {"linear": "torch", "prefill_attention": "loop",
                                 "decode_attention": "loop"}
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
+
+
+def test_cpu_kv_budget_shares_free_memory_and_stops_at_what_requests_can_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_memory, "available_memory_bytes", lambda: 10 * 2**30)
+    block = 2**20  # bytes per block
+    # 0.5 of 10 GiB, shared by two engines: 2.5 GiB, below 256 requests x 64 blocks x 1 MiB
+    shared = CacheConfig(gpu_memory_utilization=0.5, cpu_replicas_per_node=2)
+    assert cpu_memory.cpu_kv_cache_bytes(shared, block, 256, 1024) == int(2.5 * 2**30)
+    # 4 requests of 1024 tokens (64 blocks of 16) use at most 256 MiB
+    assert cpu_memory.cpu_kv_cache_bytes(shared, block, 4, 1024) == 4 * 64 * block
+    given = CacheConfig(cpu_kv_cache_bytes=123 * block)  # the user's budget wins
+    assert cpu_memory.cpu_kv_cache_bytes(given, block, 256, 1024) == 123 * block
+
+
+def test_available_memory_is_read_from_the_system() -> None:
+    assert 0 < cpu_memory.available_memory_bytes() < 2**50
+
+
+def test_the_serve_app_divides_cpu_memory_among_replicas_that_may_share_a_node() -> None:
+    assert AppArgs.model_validate({}).engine_config().cache.cpu_replicas_per_node == 1
+    assert AppArgs.model_validate({"num_replicas": 3}).engine_config() \
+        .cache.cpu_replicas_per_node == 3
+    autoscaled = AppArgs.model_validate({"num_replicas": "auto", "max_replicas": 6,
+                                         "max_replicas_per_node": 2})
+    assert autoscaled.engine_config().cache.cpu_replicas_per_node == 2
+    given = AppArgs.model_validate({"num_replicas": 3, "cpu_replicas_per_node": "1"})
+    assert given.engine_config().cache.cpu_replicas_per_node == 1
