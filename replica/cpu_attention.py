@@ -163,20 +163,27 @@ class CpuAttention:
         key = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype)
         return key.permute(0, 3, 1, 2), value
 
-    def warm_up(self, kv_cache: KVCache, num_heads: int, dtype: torch.dtype) -> None:
+    @torch.inference_mode()  # as the engine's steps run: grad mode is part of dynamo's guards
+    def warm_up(self, kv_cache: KVCache, num_heads: int, dtype: torch.dtype,
+                fused_heads: int | None = None, scale: float | None = None) -> None:
         """Compile the decode for one and for several sequences now, not on the first
-        request; a failure falls back to the loop (one warning). Times the compile."""
+        request; a failure falls back to the loop (one warning). Times the compile.
+
+        Called as the model will call it, since dynamo guards on all of it: the queries a view
+        of the fused q/k/v projection (`fused_heads` = Hq + 2 Hkv heads per token), the
+        model's softmax scale (default head_dim ** -0.5), inference mode."""
         if self._compiled is None:
             return
         k_cache, v_cache = kv_cache
         head_dim = k_cache.shape[3]
         start = time.perf_counter()
         for num_seqs in (1, 2):  # dynamo compiles 1 apart from the dynamic size
-            query = torch.zeros((num_seqs, num_heads, head_dim), dtype=dtype)
+            fused = torch.zeros((num_seqs, fused_heads or num_heads, head_dim), dtype=dtype)
+            query = fused[:, :num_heads]  # [S, Hq, D]
             seq_lens = np.ones(num_seqs, dtype=np.int32)
             tables = np.zeros((num_seqs, 1), dtype=np.int32)
             work = torch.from_numpy(decode_work(seq_lens, tables, k_cache.shape[1]))
-            self._decode(query, k_cache, v_cache, work, 1.0)
+            self._decode(query, k_cache, v_cache, work, scale or head_dim**-0.5)
         self.compile_seconds = time.perf_counter() - start
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -83,8 +83,10 @@ class ModelRunner:
         if self.cpu_attention is not None:
             self.kv_caches = [self.cpu_attention.allocate(*shape, self.dtype)
                               for _ in range(self.model_config.num_hidden_layers)]
-            self.cpu_attention.warm_up(self.kv_caches[0], self.model_config.num_attention_heads,
-                                       self.dtype)
+            mc = self.model_config
+            self.cpu_attention.warm_up(self.kv_caches[0], mc.num_attention_heads, self.dtype,
+                                       mc.num_attention_heads + 2 * mc.num_key_value_heads,
+                                       self.model.model.layers[0].self_attn.scale)
         else:
             self.kv_caches = [
                 (torch.zeros(shape, dtype=self.dtype, device=self.device),

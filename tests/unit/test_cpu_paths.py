@@ -46,8 +46,13 @@ def test_decode_attention_runs_compiled_on_this_machine() -> None:
     llm = tiny()
     assert llm.engine.runner.cpu_paths == FAST
     assert llm.engine.runner.cpu_attention.compile_seconds > 0
-    llm.generate(["a b c", "d e f g h"], SamplingParams(temperature=0.0, max_tokens=8))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for prompts in (["a b c"], ["a b c", "d e f g h", "i"]):  # one decode, then several
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     assert llm.engine.runner.cpu_paths == FAST  # nothing fell back while decoding
+    # The start-up warm-up called the decode as the steps do (strides, scale, inference
+    # mode): serving compiles nothing more.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_fast_paths_keep_greedy_tokens_through_prefix_hits_chunks_and_preemption() -> None:
