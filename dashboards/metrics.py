@@ -188,11 +188,13 @@ ROUTER_SYNC_EXCHANGES = _counter(
     labels=(LABEL_MODEL, LABEL_OUTCOME), vllm=False)
 REPLICA_STARTUP_SECONDS = _gauge(
     "replica_startup_seconds", "Seconds this replica's start-up spent in each stage (imports, "
-    "model_config, tokenizer, weights_read, weights_place, kv_cache, graphs, engine_start).",
+    "model_config, tokenizer, weights_read, weights_place, weights_pack, kv_cache, graphs, "
+    "engine_start).",
     labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
 REPLICA_STARTUP_BYTES_COPIED = _gauge(
     "replica_startup_bytes_copied", "Bytes each start-up stage of this replica wrote into new "
-    "memory (dequantised or converted weights, parameters, the zeroed KV cache).",
+    "memory (dequantised or converted weights, parameters, oneDNN's packed copies, the zeroed "
+    "KV cache).",
     labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",

@@ -175,8 +175,16 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """Validates the engine settings now (raises ValueError), without loading a model."""
-        return EngineConfig.from_kwargs(model=self.model,
-                                        **replica_engine_kwargs(self.engine_kwargs))
+        kwargs = replica_engine_kwargs(self.engine_kwargs)
+        kwargs.setdefault("cpu_replicas_per_node", self.replicas_per_node())
+        return EngineConfig.from_kwargs(model=self.model, **kwargs)
+
+    def replicas_per_node(self) -> int:
+        """The most LLMReplicas that may share one node: on CPU they divide its free memory
+        for their KV caches (replica/cpu_memory.py). Without max_replicas_per_node any may
+        land together (one node, embedded Ray), so every replica counts."""
+        most = self.num_replicas if isinstance(self.num_replicas, int) else self.max_replicas
+        return min(most, self.max_replicas_per_node or most)
 
 
 def _lift_model(data: dict[str, Any], engine: dict[str, Any]) -> None:

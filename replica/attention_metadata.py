@@ -30,7 +30,8 @@ class AttentionMetadata:
     num_kv_splits: int = 1
     # Eager steps only: [P, 2] int32, the decode part's non-empty (sequence, split) pairs
     # (kernels/work_lists.split_work), so split-KV launches no idle program. None under CUDA
-    # graphs, whose grid must stay the same between replays.
+    # graphs, whose grid must stay the same between replays. On CPU (replica/cpu_attention.py)
+    # [P + 1, 3] int32: every decode's (sequence, KV block, tokens) pairs, one split per block.
     split_work: torch.Tensor | None = None
     # [P, 2] int32, the chunk part's (chunk, query block) pairs heaviest first across chunks
     # (kernels/work_lists.prefill_work). Chunks never run under CUDA graphs.

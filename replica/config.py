@@ -20,6 +20,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 RUNNERS = ("model", "simulated")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# The CPU paths (replica/cpu_linear.py, replica/cpu_attention.py), each a setting so that one
+# build runs the ablation; "auto" is the fast path on CPU (replica/resolve.py).
+CPU_LINEARS = ("auto", "onednn", "torch")
+CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
+CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
 
 
 
@@ -56,7 +61,14 @@ class CacheConfig:
         ("kv_cache_free_gpu_memory_fraction",))
     num_gpu_blocks_override: int | None = setting(
         None, "number of KV blocks (skips profiling)")
-    cpu_kv_cache_bytes: int = setting(512 * 1024**2, "KV cache budget in bytes on CPU")
+    # None: sized at start from the memory then free (replica/cpu_memory.py), as vLLM's CPU
+    # backend sizes its KV space from the node's memory.
+    cpu_kv_cache_bytes: int | None = setting(
+        None, "KV cache budget in bytes on CPU (default: gpu_memory_utilization of the memory "
+        "free at start, shared among cpu_replicas_per_node, capped at max_num_seqs full-length "
+        "requests)")
+    cpu_replicas_per_node: int = setting(
+        1, "engines sharing this node's memory on CPU (the Serve app sets its replica count)")
     enable_prefix_caching: bool = setting(True, "share full prompt blocks between requests")
     # Only 0 is accepted: preemption recomputes (vLLM v1's choice too); the setting exists so
     # that vLLM command lines fail loudly, not silently.
@@ -70,7 +82,9 @@ class CacheConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                  f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes must be positive")
+        _require(self.cpu_kv_cache_bytes is None or self.cpu_kv_cache_bytes > 0,
+                 "cpu_kv_cache_bytes must be positive")
+        _require(self.cpu_replicas_per_node >= 1, "cpu_replicas_per_node must be >= 1")
         _require(self.swap_space == 0,
                  f"swap_space={self.swap_space}: swapping KV blocks to host memory is not "
                  "implemented; preemption recomputes instead. Leave swap_space at 0")
@@ -167,6 +181,14 @@ class EngineConfig:
     # leaving a core to the ingress and proxy.
     cpu_threads: int | None = setting(1, "torch intra-op threads on CPU (process-wide; "
                                       "iterserve serve: every core but one)")
+    cpu_linear: str = setting("auto", "CPU linears: onednn (weights prepacked once, checked "
+                              "against F.linear at start) or torch (F.linear)",
+                              choices=CPU_LINEARS)
+    cpu_prefill_attention: str = setting("auto", "CPU prefill chunks' attention: sdpa or loop "
+                                         "(kernels/reference.py)", choices=CPU_PREFILL_ATTENTIONS)
+    cpu_decode_attention: str = setting(
+        "auto", "CPU decode attention: blocks (compiled, over (sequence, KV block) pairs, in "
+        "place) or loop (kernels/reference.py)", choices=CPU_DECODE_ATTENTIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -180,6 +202,11 @@ class EngineConfig:
                  f"unknown load_format {self.load_format!r}; choose one of {LOAD_FORMATS}")
         _require(self.max_logprobs >= 0, "max_logprobs must be >= 0")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        for name, choices in (("cpu_linear", CPU_LINEARS),
+                              ("cpu_prefill_attention", CPU_PREFILL_ATTENTIONS),
+                              ("cpu_decode_attention", CPU_DECODE_ATTENTIONS)):
+            _require(getattr(self, name) in choices,
+                     f"unknown {name} {getattr(self, name)!r}; choose one of {choices}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -16,6 +16,9 @@ import torch
 from iterserve.replica.async_output import PendingOutput
 from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.cpu_attention import CpuAttention, decode_work
+from iterserve.replica.cpu_linear import pack_linears
+from iterserve.replica.cpu_memory import cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
@@ -60,6 +63,11 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
+        self.cpu_attention: CpuAttention | None = None
+        if self.device.type == "cpu" and self.attention_backend == "torch":
+            self.cpu_attention = CpuAttention(config.cpu_prefill_attention,
+                                              config.cpu_decode_attention)
+            self.ops = self.cpu_attention.ops(self.ops)
         # Seconds and bytes per start-up stage (replica/startup.py): weights, KV cache, graph
         # capture. The replica reports them; the GPU first light reads startup_s.
         self.startup = StartupRecorder()
@@ -72,6 +80,9 @@ class ModelRunner:
             self.model, self.model_config = load(model_path, self.dtype, self.device, self.ops,
                                                  copied=stage.copied)
             stage.copied(sum(p.nbytes for p in self.model.parameters()))
+        with self.startup.stage("weights_pack") as stage:  # oneDNN's layout, written once
+            self._linear_path = (pack_linears(self.model, config.cpu_linear, copied=stage.copied)
+                                 if self.device.type == "cpu" else "")
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -82,12 +93,22 @@ class ModelRunner:
             self._num_blocks = self._decide_num_blocks()
             shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                      self.model_config.head_dim)
-            self.kv_caches = [
-                (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.model_config.num_hidden_layers)
-            ]
-            stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
+            if self.cpu_attention is not None:  # left unwritten: untouched pages cost no RAM
+                self.kv_caches = [self.cpu_attention.allocate(*shape, self.dtype)
+                                  for _ in range(self.model_config.num_hidden_layers)]
+            else:
+                self.kv_caches = [
+                    (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                     torch.zeros(shape, dtype=self.dtype, device=self.device))
+                    for _ in range(self.model_config.num_hidden_layers)
+                ]
+                stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
+        if self.cpu_attention is not None:
+            with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
+                mc = self.model_config
+                self.cpu_attention.warm_up(self.kv_caches[0], mc.num_attention_heads, self.dtype,
+                                           mc.num_attention_heads + 2 * mc.num_key_value_heads,
+                                           self.model.model.layers[0].self_attn.scale)
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -104,6 +125,18 @@ class ModelRunner:
         """Seconds per start-up stage this runner went through."""
         return self.startup.seconds()
 
+    @property
+    def cpu_paths(self) -> dict[str, str]:
+        """Which CPU path each part runs ("onednn", "sdpa", "blocks", ...; a fallback says
+        why), for the benchmarks and tests: a fallback is visible, never silent. Empty on
+        CUDA."""
+        if self.device.type != "cpu":
+            return {}
+        attention = (self.cpu_attention.paths if self.cpu_attention is not None else
+                     {"prefill_attention": self.attention_backend,
+                      "decode_attention": self.attention_backend})
+        return {"linear": self._linear_path, **attention}
+
     # ------------------------------------------------------------------------------ memory
     @property
     def kv_bytes_per_block(self) -> int:
@@ -119,7 +152,10 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return max(1, cache.cpu_kv_cache_bytes // self.kv_bytes_per_block)
+            sched = self.config.scheduler
+            budget = cpu_kv_cache_bytes(cache, self.kv_bytes_per_block, sched.max_num_seqs,
+                                        sched.max_model_len)
+            return max(1, budget // self.kv_bytes_per_block)
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:
@@ -266,6 +302,11 @@ class ModelRunner:
         decode_lens = prepared.seq_lens[:num_decodes]
         splits = self._decode_kv_splits(num_decodes, int(decode_lens.max())) if num_decodes else 1
         work: dict[str, np.ndarray] = {}
+        if self.cpu_attention is not None and self.cpu_attention.decode == "blocks":
+            if num_decodes:  # the CPU decode's (sequence, block) pairs, once per step
+                work["split_work"] = decode_work(decode_lens, prepared.block_tables,
+                                                 self.block_size)
+            return num_decodes, splits, work
         if self.attention_backend != "triton":
             return num_decodes, splits, work
         from iterserve.kernels import work_lists

@@ -4,13 +4,14 @@
 
 Made concrete: the model (a name or None -> the file or folder, replica/model_source.py), the
 served model name, the device, the dtype, the attention backend, async scheduling (on exactly
-when the model runs on CUDA), max_model_len (bounded by the model and its sliding window) and
-max_num_batched_tokens. The deployment resolves its engine
-settings once on the driver and passes the resolved config down; the engine resolves what it
-is given, which changes nothing when it is already resolved (idempotent), so `/v1/models`
-shows the values the engine really uses. The number of KV blocks is not resolved here: it
-needs the GPU (profiling) unless num_gpu_blocks_override gives it. The load format ("auto")
-becomes the model file's own: gguf or safetensors.
+when the model runs on CUDA), the CPU paths (oneDNN linears, SDPA prefill and block decode
+attention on CPU), max_model_len (bounded by the model and its sliding window) and
+max_num_batched_tokens. The deployment resolves its engine settings once on the driver and
+passes the resolved config down; the engine resolves what it is given, which changes nothing
+when it is already resolved (idempotent), so `/v1/models` shows the values the engine really
+uses. The number of KV blocks is not resolved here: it needs the GPU (profiling) unless
+num_gpu_blocks_override gives it. The load format ("auto") becomes the model file's own:
+gguf or safetensors.
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
     overlap = config.async_scheduling
     if overlap is None:  # overlapping pays where a GPU runs apart from the CPU
         overlap = on_cuda and config.runner == "model"
-    config = dataclasses.replace(config, device=device, dtype=dtype, attention_backend=backend,
-                                 async_scheduling=overlap)
+    # The CPU paths' fast choices on CPU; on CUDA none of them runs (F.linear, Triton).
+    config = dataclasses.replace(
+        config, device=device, dtype=dtype, attention_backend=backend, async_scheduling=overlap,
+        cpu_linear=_concrete(config.cpu_linear, "torch" if on_cuda else "onednn"),
+        cpu_prefill_attention=_concrete(config.cpu_prefill_attention,
+                                        "loop" if on_cuda else "sdpa"),
+        cpu_decode_attention=_concrete(config.cpu_decode_attention,
+                                       "loop" if on_cuda else "blocks"))
     try:
         model_path = resolve_model_path(config.model)
         model_config = read_model_config(model_path)
@@ -81,3 +88,7 @@ def resolve_load_format(load_format: str, model_path: Path) -> str:
         raise ValueError(f"load_format {load_format!r} does not match the model {model_path} "
                          f"({found}); leave it auto")
     return load_format
+
+
+def _concrete(value: str, auto: str) -> str:
+    return auto if value == "auto" else value

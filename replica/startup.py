@@ -6,7 +6,7 @@
     startup.as_dict()   # {stage: {"seconds", "bytes_read", "bytes_copied"}}, in STAGES order
 
 The stages, in the order a replica goes through them (a stage a start does not have is left
-out: graphs without CUDA):
+out: weights_pack on a GPU):
 
     imports        the engine's modules (torch, the model code) imported in the replica
     model_config   the settings resolved and the model's config read (a GGUF's header parsed)
@@ -14,8 +14,10 @@ out: graphs without CUDA):
     weights_read   the weight files read into the page cache (no copy: a populating mmap)
     weights_place  the model built and its parameters filled from the mapped files: every
                    dequantisation, dtype conversion and copy after the map, counted in bytes
+    weights_pack   on CPU, every linear's weight reordered once into oneDNN's layout (a copy)
     kv_cache       the KV cache sized (profiled on a GPU) and allocated
-    graphs         CUDA graphs captured for the decode batch sizes
+    graphs         CUDA graphs captured for the decode batch sizes; on CPU, the compiled
+                   decode attention built and warmed (replica/cpu_attention.py)
     engine_start   the rest of the engine and the replica (threads, stat logger)
 
 `bytes_read` is what the process read from storage meanwhile (/proc/self/io read_bytes: 0 for
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = ("actor_start", "imports", "model_config", "tokenizer", "weights_read",
-          "weights_place", "kv_cache", "graphs", "engine_start", "first_token")
+          "weights_place", "weights_pack", "kv_cache", "graphs", "engine_start", "first_token")
 # Linux 5.14+: fault a mapping's pages in (reading them from storage) without copying them.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 

@@ -16,15 +16,22 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: [out, in], HF's layout."""
+    """y = x W^T + b with W: [out, in], HF's layout.
+
+    On CPU the runner may set `packed`, the weight in oneDNN's blocked layout
+    (replica/cpu_linear.py); the forward then runs oneDNN's matmul on it instead of F.linear.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -55,6 +55,29 @@ def test_table_gives_ratios_of_medians_and_per_round(capsys: pytest.CaptureFixtu
     assert rows["slow peer"][6] == "4.17x; 4.17x"  # against the median; its one round: 83.3/20
 
 
+def test_no_ratio_is_reported_when_a_cpu_path_fell_back(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fell_back = ThroughputResult("iterserve continuous", 10.0, 1000, 2, fallback=True)
+    offline_bench.print_table({"continuous": [fell_back, result("iterserve continuous", 10.0)],
+                               "peer": [result("peer", 20.0), result("peer", 20.0)]})
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| engine")]
+    assert [row[6] for row in rows] == ["none: a CPU path fell back"] * 2
+
+
+def test_requests_whose_tokens_differ_from_todays_path_are_counted(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def run(name: str, tokens: list[list[int]]) -> ThroughputResult:
+        return ThroughputResult(name, 1.0, 6, 2, token_ids=tokens)
+
+    offline_bench.print_table({
+        "continuous": [run("iterserve continuous", [[1, 2, 3], [4, 5, 6]])],
+        "continuous today": [run("iterserve continuous, today's path", [[1, 2, 3], [4, 9, 6]])],
+    })
+    assert ("requests whose greedy tokens differ from today's path: 1 of 2 (first differing "
+            "token at [1])") in capsys.readouterr().out
+
+
 def test_rounds_alternate_and_once_runs_in_the_last_round_only(
         capsys: pytest.CaptureFixture[str]) -> None:
     calls: list[str] = []
@@ -79,7 +102,8 @@ def test_throughput_table_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) 
                         "4", "--concurrency", "2", "--rounds", "2", "--skip-hf", "--threads", "1"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| iterserve")]
-    assert [row.split(" | ")[0] for row in rows] == ["| iterserve continuous",
-                                                     "| iterserve static"]
+    paths = " [linear onednn, prefill_attention sdpa, decode_attention blocks]"  # what ran
+    assert [row.split(" | ")[0] for row in rows] == ["| iterserve continuous" + paths,
+                                                     "| iterserve static" + paths]
     assert all(row.split(" | ")[1:3] == ["1", "2"] for row in rows)  # threads, rounds
     assert "| 1.00x; 1.00-1.00x |" in rows[0]

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from iterserve.autoscale.sim.workload import LengthBucket, OutputLengths
+from iterserve.loadtests.studies.engine_speed.cpu_paths_bench import cpu_model_name
 from iterserve.loadtests.studies.engine_speed.offline_bench_hf import (
     ThroughputResult,
     hf_continuous,
@@ -143,14 +145,19 @@ MODES = {  # name -> engine kwargs
     "static": dict(batching="static"),  # finished rows pad until the batch ends (HF, FT)
 }
 MAX_BATCHED_TOKENS = 512  # the chunked-prefill budget, given to transformers' batching too
+# Where both engines spend their time in the same oneDNN GEMMs (issue 38's second workload).
+PREFILL_HEAVY = {"prompt_buckets": (LengthBucket("long", 2048, 4096, 1.0),),
+                 "output_lengths": OutputLengths.uniform(16, 64)}
 
 
 def engine_throughput(workload: list[WorkloadRequest], mode: str, concurrency: int,
-                      model: str, threads: int, dtype: str = "float32") -> ThroughputResult:
+                      model: str, threads: int, dtype: str = "float32",
+                      max_batched_tokens: int = MAX_BATCHED_TOKENS, label: str = "",
+                      **engine: str) -> ThroughputResult:
     kv_bytes = 3 * 1024**3  # every running request's full context fits: no preemption
     llm = LLM(model, dtype=dtype, max_num_seqs=concurrency, cpu_kv_cache_bytes=kv_bytes,
               enable_prefix_caching=False, cpu_threads=threads,
-              max_num_batched_tokens=MAX_BATCHED_TOKENS, **MODES[mode])
+              max_num_batched_tokens=max_batched_tokens, **MODES[mode], **engine)
     params = [SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
               for w in workload]
     llm.generate([workload[0].prompt_token_ids], [params[0]])  # warm up
@@ -161,9 +168,25 @@ def engine_throughput(workload: list[WorkloadRequest], mode: str, concurrency: i
     expected = sum(w.max_tokens for w in workload)
     if tokens != expected:
         raise RuntimeError(f"{mode}: generated {tokens} tokens, expected {expected}")
-    label = f"iterserve {mode}" + ("" if dtype == "float32" else f" {dtype}")
-    return ThroughputResult(label, seconds, tokens, torch.get_num_threads(),
-                            llm.engine.scheduler.num_preemptions)
+    # Which CPU path each part ran, read after the run: a fallback mid-run shows too.
+    paths = llm.engine.runner.cpu_paths
+    shown = ", ".join(f"{part} {path}" for part, path in paths.items())
+    name = (f"iterserve {mode}" + ("" if dtype == "float32" else f" {dtype}")
+            + (f", {label}" if label else "") + (f" [{shown}]" if shown else ""))
+    return ThroughputResult(name, seconds, tokens, torch.get_num_threads(),
+                            llm.engine.scheduler.num_preemptions,
+                            fallback=any("fallback" in path for path in paths.values()),
+                            token_ids=[list(r.outputs[0].token_ids) for r in results])
+
+
+# The ablation: each CPU path back to today's (issue 38), one at a time and all together.
+TODAY = {"cpu_linear": "torch", "cpu_prefill_attention": "loop", "cpu_decode_attention": "loop"}
+ABLATION = {
+    "continuous F.linear": ("F.linear", {"cpu_linear": "torch"}),
+    "continuous loop prefill": ("loop prefill", {"cpu_prefill_attention": "loop"}),
+    "continuous loop decode": ("loop decode", {"cpu_decode_attention": "loop"}),
+    "continuous today": ("today's path", TODAY),
+}
 
 
 Contender = Callable[[], ThroughputResult]
@@ -171,10 +194,16 @@ Contender = Callable[[], ThroughputResult]
 
 def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dict[str, Contender]:
     model = str(resolve_model_path(args.model))
+    budget = args.max_batched_tokens
     runs: dict[str, Contender] = {
         mode: (lambda mode=mode: engine_throughput(workload, mode, args.concurrency, model,
-                                                   args.threads))
+                                                   args.threads, max_batched_tokens=budget))
         for mode in MODES}
+    if args.ablation:
+        for name, (label, engine) in ABLATION.items():
+            runs[name] = (lambda label=label, engine=engine: engine_throughput(
+                workload, "continuous", args.concurrency, model, args.threads,
+                max_batched_tokens=budget, label=label, **engine))
     if args.also_bf16:
         runs["continuous bf16"] = lambda: engine_throughput(
             workload, "continuous", args.concurrency, model, args.threads, "bfloat16")
@@ -187,7 +216,7 @@ def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dic
         hf = load_hf_model(resolve_model_path(args.model))
         runs["hf generate"] = lambda hf=hf: hf_generate(hf, workload, args.concurrency)
         runs["hf continuous"] = lambda hf=hf: hf_continuous(hf, workload, args.concurrency,
-                                                            MAX_BATCHED_TOKENS)
+                                                            budget)
     if args.vllm_python:
         source = load_hf_model(resolve_model_path(args.model))
         model_dir, workload_file = prepare_vllm_inputs(
@@ -197,7 +226,8 @@ def contenders(args: argparse.Namespace, workload: list[WorkloadRequest]) -> dic
         for name, setup in (("vllm default", VllmSetup("default binding", None)),
                             ("vllm all cores", VllmSetup("compute on every core", every_core))):
             runs[name] = lambda setup=setup: vllm_cpu(args.vllm_python, model_dir, workload_file,
-                                                      args.concurrency, MAX_BATCHED_TOKENS, setup)
+                                                      args.concurrency, budget, setup,
+                                                      max_model_len(workload))
     return runs
 
 
@@ -218,9 +248,26 @@ def print_table(rounds: dict[str, list[ThroughputResult | None]]) -> None:
                   if b is not None and r is not None]
         spread = (f"{min(paired):.2f}-{max(paired):.2f}x" if len(paired) > 1
                   else f"{paired[0]:.2f}x" if paired else "-")
+        ratio = f"{base_median / median:.2f}x; {spread}"
+        if any(r.fallback for r in ran + [b for b in base if b is not None]):
+            ratio = "none: a CPU path fell back"
         print(f"| {best.name} | {best.threads} | {len(ran)} | {best.tokens_per_s:.1f} | "
-              f"{median:.1f} | {best.output_tokens} | {base_median / median:.2f}x; {spread} | "
-              f"{best.preemptions} |")
+              f"{median:.1f} | {best.output_tokens} | {ratio} | {best.preemptions} |")
+    print_token_differences(rounds)
+
+
+def print_token_differences(rounds: dict[str, list[ThroughputResult | None]]) -> None:
+    """How many requests' greedy tokens differ between the fast paths and today's (near-ties
+    may flip at 1e-5 differences in the logits): reported, not hidden."""
+    ours, today = rounds.get("continuous"), rounds.get("continuous today")
+    if not ours or not today or ours[-1] is None or today[-1] is None:
+        return
+    pairs = list(zip(ours[-1].token_ids or [], today[-1].token_ids or [], strict=True))
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+    first = [next(j for j, (x, y) in enumerate(zip(*pairs[i], strict=True)) if x != y)
+             for i in differ]
+    print(f"\nrequests whose greedy tokens differ from today's path: {len(differ)} of "
+          f"{len(pairs)}" + (f" (first differing token at {first})" if differ else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,6 +290,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="add iterserve continuous on one torch thread")
     parser.add_argument("--only", default=None,
                         help="comma-separated contenders to run (continuous,static,hf generate,...)")
+    parser.add_argument("--workload", choices=["mixed", "prefill-heavy"], default="mixed",
+                        help="mixed: the workload above; prefill-heavy: prompts of 2048-4096 "
+                             "tokens, outputs of 16-64")
+    parser.add_argument("--max-batched-tokens", type=int, default=MAX_BATCHED_TOKENS,
+                        help="step budget for every engine (chunked prefill)")
+    parser.add_argument("--ablation", action="store_true",
+                        help="add iterserve continuous with each CPU path back to today's, "
+                             "and with all of them (and count requests whose tokens differ)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
     parser.add_argument("--once", default="",
                         help="comma-separated contenders to run in the last round only (the HF "
@@ -254,8 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the fp32 checkpoint and workload for vLLM are written")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
-          f"torch {torch.__version__}, python {platform.python_version()}")
+    print(f"machine: {cpu_model_name()} ({platform.machine()}, {os.cpu_count()} cores), "
+          f"{args.threads} torch threads, torch {torch.__version__}, "
+          f"python {platform.python_version()}")
     if args.part in ("all", "sched"):
         print("\n| running requests | scheduler + input prep per step, CPU ms | wall ms |"
               "\n|---:|---:|---:|")
@@ -270,8 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         from iterserve.autoscale.sim.workload import make_workload
 
         vocab = model_vocab_size(args.model)
+        shape = PREFILL_HEAVY if args.workload == "prefill-heavy" else {}
         workload = make_workload(args.num_requests, seed=args.seed, vocab_size=vocab,
-                                 min_token_id=32)
+                                 min_token_id=32, **shape)
         print(f"\nmodel {resolve_model_path(args.model).name}; workload: {len(workload)} requests, "
               f"seed {args.seed}, {sum(len(w.prompt_token_ids) for w in workload)} prompt "
               f"tokens, {sum(w.max_tokens for w in workload)} output tokens, concurrency "
@@ -302,6 +359,12 @@ def run_rounds(runs: dict[str, Contender], num_rounds: int, once: set[str],
                   flush=True)
     print_table(rounds)
     print(f"\nload average (1 min) at the runs' starts: {min(loads):.2f}-{max(loads):.2f}")
+
+
+def max_model_len(workload: list[WorkloadRequest]) -> int:
+    """A context length that holds the workload's longest request (vLLM preallocates for it)."""
+    longest = max(len(w.prompt_token_ids) + w.max_tokens for w in workload)
+    return max(2048, -(-longest // 1024) * 1024)
 
 
 def model_vocab_size(model: str | None) -> int:

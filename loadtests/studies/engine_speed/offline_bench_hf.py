@@ -28,6 +28,8 @@ class ThroughputResult:
     output_tokens: int
     threads: int
     preemptions: int = 0
+    fallback: bool = False  # an engine CPU path fell back (its ratios are not reported)
+    token_ids: list[list[int]] | None = None  # per request, where the engine keeps them
 
     @property
     def tokens_per_s(self) -> float:

@@ -28,7 +28,8 @@ import os
 import time
 
 
-def run(model_dir: str, workload_file: str, concurrency: int, max_batched_tokens: int) -> dict:
+def run(model_dir: str, workload_file: str, concurrency: int, max_batched_tokens: int,
+        max_model_len: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -36,7 +37,7 @@ def run(model_dir: str, workload_file: str, concurrency: int, max_batched_tokens
         workload = json.load(f)
     llm = LLM(model=model_dir, dtype="float32", max_num_seqs=concurrency,
               max_num_batched_tokens=max_batched_tokens, enable_prefix_caching=False,
-              max_model_len=2048, seed=0)
+              max_model_len=max_model_len, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=w["prompt_token_ids"]) for w in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=w["max_tokens"], ignore_eos=True)
               for w in workload]
@@ -62,8 +63,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="vLLM's max_num_seqs")
     parser.add_argument("--max-batched-tokens", type=int, default=512,
                         help="vLLM's max_num_batched_tokens")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
     args = parser.parse_args()
-    result = run(args.model_dir, args.workload, args.concurrency, args.max_batched_tokens)
+    result = run(args.model_dir, args.workload, args.concurrency, args.max_batched_tokens,
+                 args.max_model_len)
     print(json.dumps(result), flush=True)
 
 

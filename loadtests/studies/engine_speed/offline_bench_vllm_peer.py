@@ -104,7 +104,8 @@ def parse_vllm_run(stdout: str) -> tuple[dict[str, Any], list[int]]:
 
 
 def vllm_cpu(python: str, model_dir: Path, workload_file: Path, concurrency: int,
-             max_batched_tokens: int, setup: VllmSetup) -> ThroughputResult:
+             max_batched_tokens: int, setup: VllmSetup,
+             max_model_len: int = 2048) -> ThroughputResult:
     """One round of vLLM's CPU build in its own interpreter, bound as `setup` says."""
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB,
                         "LD_PRELOAD": vllm_cpu_preload(python)}
@@ -113,7 +114,7 @@ def vllm_cpu(python: str, model_dir: Path, workload_file: Path, concurrency: int
     done = subprocess.run(
         [python, str(VLLM_SCRIPT), "--model-dir", str(model_dir), "--workload",
          str(workload_file), "--concurrency", str(concurrency),
-         "--max-batched-tokens", str(max_batched_tokens)],
+         "--max-batched-tokens", str(max_batched_tokens), "--max-model-len", str(max_model_len)],
         env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM CPU failed ({done.returncode}):\n{done.stderr[-4000:]}")
