@@ -25,6 +25,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CPU_LINEARS = ("auto", "onednn", "torch")
 CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
 CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
+KV_OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend; lmcache is not ours
 
 
 
@@ -74,6 +75,14 @@ class CacheConfig:
     # that vLLM command lines fail loudly, not silently.
     swap_space: float = setting(0.0, "GiB of host swap for KV blocks (only 0: preemption "
                                 "recomputes)")
+    # The host KV tier (replica/host_kv_tier.py): off by default, as in vLLM.
+    kv_offloading_size: float | None = setting(
+        None, "GiB of host memory for a KV tier below the device KV cache: full prefix-cache "
+        "blocks evicted from the device are kept there and copied back instead of recomputed "
+        "(default: off)")
+    kv_offloading_backend: str = setting(
+        "native", "the host KV tier's implementation (only native: iterserve's own)",
+        choices=KV_OFFLOADING_BACKENDS)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -88,6 +97,16 @@ class CacheConfig:
         _require(self.swap_space == 0,
                  f"swap_space={self.swap_space}: swapping KV blocks to host memory is not "
                  "implemented; preemption recomputes instead. Leave swap_space at 0")
+        _require(self.kv_offloading_backend in KV_OFFLOADING_BACKENDS,
+                 f"unknown kv_offloading_backend {self.kv_offloading_backend!r}; only "
+                 f"{', '.join(KV_OFFLOADING_BACKENDS)} is implemented")
+        if self.kv_offloading_size is not None:
+            _require(self.kv_offloading_size > 0,
+                     f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}; "
+                     "leave it unset to turn the host KV tier off")
+            _require(self.enable_prefix_caching,
+                     "kv_offloading_size needs enable_prefix_caching: the host KV tier keeps "
+                     "prefix-cache blocks under their hash chain")
 
 
 @dataclass(frozen=True)
