@@ -72,6 +72,11 @@ def test_returning_turns_come_from_the_host_tier_with_the_same_tokens(
     assert manager.host_queries == sum(len(h) for h in conversations()) + 4 * (80 + 8 + 2)
     assert tier.bytes_copied["CPU_to_GPU"] == 4 * 5 * tier.bytes_per_block
     assert tier.bytes_copied["GPU_to_CPU"] >= tier.bytes_copied["CPU_to_GPU"]
+    stats = engine.stats()  # what the metrics read: per tier, per transfer type
+    assert (stats.host_cache_queries, stats.host_cache_hits) == (manager.host_queries,
+                                                                  manager.host_hits)
+    assert stats.kv_offload_bytes == tier.bytes_copied
+    assert stats.kv_offload_seconds["CPU_to_GPU"] > 0
 
 
 def test_preemption_with_the_tier_keeps_greedy_tokens(model_path: str) -> None:
