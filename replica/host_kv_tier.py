@@ -29,6 +29,8 @@ DEVICE_TO_HOST = "GPU_to_CPU"  # vLLM's kv_offload transfer_type labels
 HOST_TO_DEVICE = "CPU_to_GPU"
 TRANSFER_TYPES = (DEVICE_TO_HOST, HOST_TO_DEVICE)
 GIB = 2**30
+AUTO_FRACTION = 0.5  # of a replica's share of the free memory: the rest is the page cache's
+AUTO_CAP_GIB = 64.0  # more is rarely hit again before it is evicted; ask for it explicitly
 
 
 def host_kv_slots(size_gib: float, bytes_per_block: int) -> int:
@@ -39,6 +41,12 @@ def host_kv_slots(size_gib: float, bytes_per_block: int) -> int:
                          f"({bytes_per_block} bytes each); give at least "
                          f"{bytes_per_block / GIB:.6f} GiB")
     return slots
+
+
+def auto_kv_offloading_gib(free_host_bytes: int, replicas_per_node: int) -> float:
+    """kv_offloading_size 'auto': AUTO_FRACTION of the node's free memory, shared among the
+    replicas on the node, at most AUTO_CAP_GIB each."""
+    return min(AUTO_CAP_GIB, free_host_bytes * AUTO_FRACTION / replicas_per_node / GIB)
 
 
 class HostKVTier:

@@ -18,9 +18,9 @@ from iterserve.replica.attention_metadata import AttentionMetadata, count_leadin
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
-from iterserve.replica.cpu_memory import cpu_kv_cache_bytes
+from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
-from iterserve.replica.host_kv_tier import HostKVTier, host_kv_slots
+from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
 from iterserve.replica.ops import select_ops
@@ -107,7 +107,7 @@ class ModelRunner:
             # The host KV tier below it (off by default): allocated, not written.
             self.host_tier: HostKVTier | None = None
             if config.cache.kv_offloading_size is not None:
-                slots = host_kv_slots(config.cache.kv_offloading_size, self.kv_bytes_per_block)
+                slots = host_kv_slots(self._kv_offloading_gib(), self.kv_bytes_per_block)
                 self.host_tier = HostKVTier(slots, self.kv_caches)
                 logger.info("host KV tier: %d blocks (%.2f GiB)", slots,
                             self.host_tier.nbytes / 2**30)
@@ -154,6 +154,17 @@ class ModelRunner:
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
+
+    def _kv_offloading_gib(self) -> float:
+        """The host tier's size: the setting's, or for "auto" a share of the memory free now
+        (on CPU less the device KV cache, allocated but not yet touched, so not yet counted)."""
+        cache = self.config.cache
+        if cache.kv_offloading_size != "auto":
+            return float(cache.kv_offloading_size)
+        free = available_memory_bytes()
+        if self.device.type == "cpu":
+            free = max(0, free - self._num_blocks * self.kv_bytes_per_block)
+        return auto_kv_offloading_gib(free, cache.cpu_replicas_per_node)
 
     def num_host_kv_blocks(self) -> int:
         """How many blocks the host KV tier holds (0: no tier)."""

@@ -119,3 +119,11 @@ def test_an_abort_after_a_copy_back_returns_every_block(model_path: str) -> None
 def test_the_simulated_runner_refuses_a_host_tier() -> None:
     with pytest.raises(ValueError, match="needs runner='model'"):
         LLMEngine(EngineConfig.from_kwargs(runner="simulated", kv_offloading_size=1.0))
+
+
+def test_auto_sizes_the_tier_from_free_memory_where_the_engine_starts(model_path: str) -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model_path, kv_offloading_size="auto",
+                                                num_gpu_blocks_override=DEVICE_BLOCKS))
+    tier = engine.runner.host_tier
+    assert tier.num_slots > 0 and engine.block_manager.host.num_slots == tier.num_slots
+    assert tier.nbytes <= 64 * 2**30

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.replica.config import EngineConfig
+from iterserve.replica.config import EngineConfig, engine_settings
 from iterserve.replica.cpu_attention import CpuAttention
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 from iterserve.replica.host_kv_tier import (
     DEVICE_TO_HOST,
     HOST_TO_DEVICE,
     HostKVTier,
+    auto_kv_offloading_gib,
     host_kv_slots,
 )
 
@@ -102,10 +103,19 @@ def test_sizes_in_gib_become_slots() -> None:
         host_kv_slots(1e-9, 2**20)
 
 
+def test_auto_is_half_a_replicas_share_of_free_memory_capped() -> None:
+    assert auto_kv_offloading_gib(16 * 2**30, 4) == 2.0
+    assert auto_kv_offloading_gib(1024 * 2**30, 2) == 64.0
+    spec = next(s for s in engine_settings() if s.name == "kv_offloading_size")
+    assert spec.type("auto") == "auto" and spec.type("1.5") == 1.5  # the CLI flag's parser
+    assert EngineConfig.from_kwargs(kv_offloading_size="auto").cache.kv_offloading_size == "auto"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_offloading_backend="lmcache"), "unknown kv_offloading_backend 'lmcache'"),
     (dict(kv_offloading_size=0.0), "kv_offloading_size must be > 0"),
     (dict(kv_offloading_size=-1.0), "kv_offloading_size must be > 0"),
+    (dict(kv_offloading_size="lots"), "must be > 0 GiB or 'auto', got 'lots'"),
     (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "needs enable_prefix_caching"),
 ])
 def test_bad_offloading_settings_are_refused_with_a_reason(kwargs: dict, message: str) -> None:
