@@ -8,7 +8,9 @@ Which block sits in which slot, and which slot is the next victim, is replica/ho
 business: this file only moves bytes and counts them, under vLLM's transfer_type names
 (`GPU_to_CPU`, `CPU_to_GPU`; on a CPU engine the "device" is host memory too).
 
-On CPU a copy is one indexed memory copy per layer and tensor. On CUDA the slots are pinned and
+On CPU a copy is a row gather and a row scatter per layer and tensor, over the block-major
+contiguous view both sides share (the block-transposed K cache is a permuted view of one: a
+block is one run of bytes, so no copy transposes). On CUDA the slots are pinned and
 the copies run on a side stream of their own, one cudaMemcpyAsync per block and layer: the side
 stream waits for the compute stream's work queued so far (the blocks being stored are final),
 and the compute stream waits for the copies before the step's forward (it reads the loaded
@@ -47,6 +49,16 @@ def auto_kv_offloading_gib(free_host_bytes: int, replicas_per_node: int) -> floa
     """kv_offloading_size 'auto': AUTO_FRACTION of the node's free memory, shared among the
     replicas on the node, at most AUTO_CAP_GIB each."""
     return min(AUTO_CAP_GIB, free_host_bytes * AUTO_FRACTION / replicas_per_node / GIB)
+
+
+def block_major(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's dimensions permuted into memory order, blocks first: a contiguous view
+    ([N, Hkv, D, B] for the block-transposed K cache, itself for a contiguous one)."""
+    order = sorted(range(cache.dim()), key=lambda d: -cache.stride(d))
+    rows = cache.permute(order)
+    if order[0] != 0 or not rows.is_contiguous():
+        raise ValueError(f"the KV cache (strides {cache.stride()}) is not block-major")
+    return rows
 
 
 class HostKVTier:
@@ -107,12 +119,12 @@ class HostKVTier:
         slot_index = torch.tensor(slots, dtype=torch.long)  # [n]
         pairs = zip(kv_caches, self.keys, self.values, strict=True)
         for (k_cache, v_cache), host_k, host_v in pairs:
-            if direction == DEVICE_TO_HOST:  # indexing, not views: the K cache is strided
-                host_k[slot_index] = k_cache[block_index]  # [n, B, Hkv, D]
-                host_v[slot_index] = v_cache[block_index]
-            else:
-                k_cache[block_index] = host_k[slot_index]
-                v_cache[block_index] = host_v[slot_index]
+            for cache, host in ((k_cache, host_k), (v_cache, host_v)):
+                cache_rows, host_rows = block_major(cache), block_major(host)  # [N, ...] each
+                if direction == DEVICE_TO_HOST:
+                    host_rows.index_copy_(0, slot_index, cache_rows.index_select(0, block_index))
+                else:
+                    cache_rows.index_copy_(0, block_index, host_rows.index_select(0, slot_index))
         self.copy_seconds[direction] += time.perf_counter() - start
 
     def _copy_on_side_stream(self, direction: str, kv_caches: Sequence[KVCache],

@@ -81,27 +81,36 @@ def test_returning_turns_come_from_the_host_tier_with_the_same_tokens(
 
 def test_preemption_with_the_tier_keeps_greedy_tokens(model_path: str) -> None:
     rng = random.Random(1)
-    shared = [rng.randrange(10, 4000) for _ in range(48)]
-    prompts = [shared + [rng.randrange(10, 4000) for _ in range(n)] for n in (5, 40, 17, 64, 9)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, 4000) for _ in range(n)]
+
+    shared = tokens(48)
+    # A prompt caches the shared prefix, a long one evicts it to the host tier, then five
+    # prompts on it at once run short of blocks: they preempt each other and come back.
+    phases = [[shared + tokens(5)], [tokens(130)],
+              [shared + tokens(n) for n in (5, 40, 17, 64, 9)]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-    def tokens(**kwargs: object) -> tuple[list[list[int]], LLMEngine]:
+    def run(**kwargs: object) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(EngineConfig.from_kwargs(model=model_path, block_size=BLOCK,
                                                     num_gpu_blocks_override=10, **kwargs))
-        for prompt in prompts:
-            engine.add_request(prompt, params)
         out: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                out.setdefault(output.request_id, []).extend(output.new_token_ids)
-            engine.block_manager.check_invariants()
-        assert engine.block_manager.num_used_blocks == 0
-        return [out[k] for k in sorted(out, key=lambda r: int(r.split("-")[1]))], engine
+        for phase in phases:
+            for prompt in phase:
+                out[engine.add_request(prompt, params)] = []
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    out[output.request_id].extend(output.new_token_ids)
+                engine.block_manager.check_invariants()
+            assert engine.block_manager.num_used_blocks == 0
+        return list(out.values()), engine
 
-    off, _ = tokens(enable_prefix_caching=False)
-    on, engine = tokens(kv_offloading_size=TIER_GIB)
+    off, _ = run(enable_prefix_caching=False)
+    on, engine = run(kv_offloading_size=TIER_GIB)
     assert on == off
     assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.host_hits > 0  # the shared prefix came back from the host
 
 
 def test_an_abort_after_a_copy_back_returns_every_block(model_path: str) -> None:
