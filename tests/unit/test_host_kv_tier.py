@@ -126,3 +126,23 @@ def test_bad_offloading_settings_are_refused_with_a_reason(kwargs: dict, message
 def test_the_tier_is_off_by_default() -> None:
     cache = EngineConfig.from_kwargs().cache
     assert cache.kv_offloading_size is None and cache.kv_offloading_backend == "native"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_side_stream_path_brings_blocks_back_on_cuda() -> None:
+    """The CUDA path (pinned slots, a side stream, events): not run on CPU-only machines."""
+    caches = [(torch.randn(6, 16, 2, 64, device="cuda"), torch.randn(6, 16, 2, 64, device="cuda"))
+              for _ in range(3)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    tier = HostKVTier(4, caches)
+    assert tier.keys[0].is_pinned()
+    tier.store(caches, [(2, 1), (5, 3)])
+    for k, v in caches:  # queued on the compute stream: must wait for the stores
+        k.zero_()
+        v.zero_()
+    tier.load(caches, [(1, 0), (3, 4)])
+    torch.cuda.synchronize()
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k[0], k0[2]) and torch.equal(v[4], v0[5])
+    assert tier.bytes_copied[HOST_TO_DEVICE] == 2 * tier.bytes_per_block
