@@ -148,6 +148,8 @@ def main() -> None:
                         help="no-reuse output length")
     parser.add_argument("--skip-no-reuse", action="store_true",
                         help="the chat only, no throughput rounds")
+    parser.add_argument("--skip-chat", action="store_true",
+                        help="the no-reuse throughput rounds only")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
     model = {"tiny": str(default_model_path()), "builtin": str(builtin_model_path())}.get(
@@ -166,7 +168,7 @@ def main() -> None:
     print(f"model {model}; device KV {device} blocks, host tier {host} blocks "
           f"({host_gib:.3f} GiB), working set {working_set} blocks; {args.threads} thread(s)")
     chat: dict[str, list[ChatRound]] = {name: [] for name in configs}
-    for round_index in range(args.rounds):
+    for round_index in range(0 if args.skip_chat else args.rounds):
         for name, kwargs in configs.items():
             result = chat_round(name, engine_for(model, args.threads, **kwargs), workload,
                                 seed=round_index)
@@ -177,12 +179,14 @@ def main() -> None:
                   f"{result.stats}")
     summary = {name: {"ttft_p50_ms": statistics.median(r.percentile(0.5) for r in rounds) * 1e3,
                       "ttft_p99_ms": statistics.median(r.percentile(0.99) for r in rounds) * 1e3}
-               for name, rounds in chat.items()}
-    print("\nreturning-turn TTFT, median over rounds:")
-    for name, figures in summary.items():
-        print(f"  {name:>4}: p50 {figures['ttft_p50_ms']:8.1f} ms  p99 {figures['ttft_p99_ms']:8.1f} ms")
-    off, host_p50, big = (summary[n]["ttft_p50_ms"] for n in ("off", "host", "big"))
-    print(f"  off / host {off / host_p50:.2f}x;  host / big {host_p50 / big:.2f}x")
+               for name, rounds in chat.items() if rounds}
+    if summary:
+        print("\nreturning-turn TTFT, median over rounds:")
+        for name, figures in summary.items():
+            print(f"  {name:>4}: p50 {figures['ttft_p50_ms']:8.1f} ms  "
+                  f"p99 {figures['ttft_p99_ms']:8.1f} ms")
+        off, host_p50, big = (summary[n]["ttft_p50_ms"] for n in ("off", "host", "big"))
+        print(f"  off / host {off / host_p50:.2f}x;  host / big {host_p50 / big:.2f}x")
     throughput: dict[str, list[float]] = {"off": [], "host": []}
     if not args.skip_no_reuse:
         nr_device = 16 * -(-(args.unique_tokens + args.unique_output) // BLOCK) + 16
@@ -191,10 +195,13 @@ def main() -> None:
                                    kv_offloading_size=4 * nr_device * bytes_per_block / GIB)}
         for round_index in range(args.rounds):
             for name, kwargs in nr_configs.items():
-                rate = no_reuse_round(engine_for(model, args.threads, **kwargs), args.unique,
-                                      args.unique_tokens, args.unique_output, seed=100 + round_index)
+                engine = engine_for(model, args.threads, **kwargs)
+                rate = no_reuse_round(engine, args.unique, args.unique_tokens, args.unique_output,
+                                      seed=100 + round_index)
                 throughput[name].append(rate)
-                print(f"no reuse, round {round_index} {name:>4}: {rate:8.1f} generated tokens/s")
+                stats = engine.stats()
+                print(f"no reuse, round {round_index} {name:>4}: {rate:8.1f} generated tokens/s"
+                      f"  copies {stats.kv_offload_bytes} bytes {stats.kv_offload_seconds} s")
         off_rate, host_rate = (statistics.median(throughput[n]) for n in ("off", "host"))
         print(f"no reuse, median: off {off_rate:.1f}, host {host_rate:.1f} tokens/s "
               f"(host / off {host_rate / off_rate:.3f})")
