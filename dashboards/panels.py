@@ -105,11 +105,15 @@ THROUGHPUT = Row("Throughput", (
           "Batch size in tokens: continuous batching keeps this high and steady.", "short",
           (Target(_quantile(0.5, m.ITERATION_TOKENS), "p50"),
            Target(_quantile(0.99, m.ITERATION_TOKENS), "p99"))),
-    Panel("Prefix-cache hit rate", "Prompt tokens found in the prefix cache / looked up.",
-          "percentunit",
+    Panel("Prefix-cache hit rate", "Prompt tokens found in the prefix cache / looked up, per "
+          "tier: the device KV, then the host KV tier (kv_offloading_size) for what the device "
+          "missed.", "percentunit",
           (Target(f"sum(rate({_series(m.PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
                   f"(sum(rate({_series(m.PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
-                  "hit rate"),),
+                  "device"),
+           Target(f"sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
+                  f"(sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
+                  "host tier")),
           max_value=1.0),
 ))
 
@@ -127,6 +131,11 @@ SCHEDULER = Row("Scheduler and KV cache", (
           "short",
           (Target(_increase_by(m.NUM_PREEMPTIONS, "replica"), "{{replica}} preemptions"),
            Target(_increase_by(m.NUM_OUT_OF_BLOCKS, "replica"), "{{replica}} out of blocks"))),
+    Panel("Host KV tier copies",
+          "Bytes per second copied out to the host tier (GPU_to_CPU: blocks the device evicted) "
+          "and back (CPU_to_GPU: prefix hits there), all replicas.", "Bps",
+          (Target(f"sum by (transfer_type) (rate({_series(m.KV_OFFLOAD_TOTAL_BYTES)}{SELECTOR}"
+                  f"{RATE}))", "{{transfer_type}}"),)),
 ))
 
 _GPU_UTILISATION = (

@@ -357,8 +357,9 @@ class ChoiceState:
 class UsageCounter:
     """prompt tokens once per prompt, completion tokens summed over choices.
 
-    cached_tokens counts each prompt's tokens served from the prefix cache for its first
-    choice (the one that computes the prompt; later choices of n > 1 reuse its blocks).
+    cached_tokens counts each prompt's tokens served from the prefix cache, every tier (the
+    device KV, the host KV tier), for its first choice (the one that computes the prompt;
+    later choices of n > 1 reuse its blocks).
     `scoring_only` (echo with max_tokens 0) reports no completion tokens: the token the
     engine samples is never returned.
     """

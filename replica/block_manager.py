@@ -11,6 +11,13 @@ The prefix cache is keyed by a chain hash, as vLLM's is: a block's hash is
 one int names the whole prefix up to that block. An int key is hashed in O(1) by every dict
 operation and keeps nothing else alive (a (parent, tokens) tuple key was rehashed by every
 lookup, insertion and eviction, and held its tokens' bytes for as long as it was cached).
+
+With a host KV tier (`host`, replica/host_kv_index.py) a cached block evicted here is stored
+there under the same hash, and a prompt's lookup continues its chain there where the device
+misses: such a hit takes a free block and is copied back before the step that reads it. The
+copies are planned here, during scheduling, and handed to the runner with the step
+(`take_kv_copies`): device -> host first, then host -> device, both before the forward.
+`find_cached_prefix` lists a host hit as a negative number (`host_hit`) beside device ids.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from iterserve.replica.block_keys import (
     num_cacheable_blocks,
 )
 from iterserve.replica.free_block_pool import FreeBlockPool
+from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 from iterserve.replica.request import Request
 
 # A request's physical block ids in order: a C int32 array, so a step's input preparation
@@ -43,8 +51,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def host_hit(slot: int) -> int:
+    """A prefix hit in host slot `slot`, as find_cached_prefix lists it (device ids are >= 0)."""
+    return -1 - slot
+
+
+def host_slot(hit: int) -> int:
+    """The host slot of a negative prefix hit (the inverse of host_hit)."""
+    return -1 - hit
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 host: HostKVIndex | None = None) -> None:
+        """host: the host KV tier's index (None: no tier below this cache)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -59,7 +79,17 @@ class BlockManager:
         # Per request: how many leading blocks are registered, and the hash chain so far.
         self.num_registered: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # prompt tokens found there
+        self.prefix_hits = 0  # prompt tokens found there (on the device)
+        self.host = host
+        self.host_queries = 0  # prompt tokens the device missed, looked up in the host tier
+        self.host_hits = 0  # prompt tokens found there
+        # With a host tier: per cached block, its parent's hash and its tokens (what the tier
+        # keeps beside its KV, to announce a block copied back as a computed one is).
+        self.block_origins: list[tuple[BlockHash, BlockTokens] | None] | None = (
+            [None] * num_blocks if host is not None else None)
+        # This step's planned copies: (device block, host slot) stores, (slot, block) loads.
+        self.kv_stores: list[tuple[int, int]] = []
+        self.kv_loads: list[tuple[int, int]] = []
         # Told of every hash that joins or leaves cached_blocks (`stored` / `evicted`): the
         # replica's index of stable block hashes for routers (replica/block_hashes.py).
         self.cache_listener: PrefixCacheListener | None = None
@@ -108,6 +138,7 @@ class BlockManager:
             packed, tokens = None, request.all_token_ids
         hits: list[int] = []
         key = ROOT_HASH
+        host = self.host
         for i in range(max_blocks):  # block_hash, inlined: once per block of every admission
             if packed is not None:  # the same bytes block_tokens makes of the slice
                 key = hash((key, packed[i * size * 8 : (i + 1) * size * 8]))
@@ -115,7 +146,10 @@ class BlockManager:
                 key = hash((key, block_tokens(tokens[i * size : (i + 1) * size])))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
-                break
+                slot = host.lookup(key) if host is not None else None
+                if slot is None:
+                    break
+                block_id = host_hit(slot)
             hits.append(block_id)
         return hits
 
@@ -147,6 +181,7 @@ class BlockManager:
             except (OverflowError, TypeError):
                 packed = None  # some block's tokens do not fit: each block converts its own
         cached, keys, listener = self.cached_blocks, self.block_keys, self.cache_listener
+        origins = self.block_origins
         width = 8 * block_size
         for i in range(start, end):
             if packed is not None:  # block_hash, inlined: this loop runs once per block
@@ -162,6 +197,8 @@ class BlockManager:
                 keys[block_id] = key
                 if listener is not None:
                     listener.stored(key, parent, chunk)
+                if origins is not None:
+                    origins[block_id] = (parent, chunk)
             parent = key
         self.num_registered[request.request_id] = (end, parent)
 
@@ -206,9 +243,10 @@ class BlockManager:
 
     def num_blocks_to_admit(self, request: Request, num_new_tokens: int, hits: list[int]) -> int:
         """Free blocks that admitting the request would take: new blocks for num_new_tokens
-        after its prefix hits, plus the hit blocks that sit in the free pool."""
+        after its prefix hits, plus the hit blocks that sit in the free pool and a block for
+        each host-tier hit."""
         refs = self.ref_counts
-        hits_in_free_pool = sum(1 for b in hits if refs[b] == 0)
+        hits_in_free_pool = sum(1 for b in hits if b < 0 or refs[b] == 0)
         return self.num_new_blocks_needed(request, num_new_tokens, len(hits)) + hits_in_free_pool
 
     def try_allocate(self, request: Request, num_new_tokens: int) -> BlockTable | None:
@@ -241,19 +279,61 @@ class BlockManager:
         if hits:
             if table:
                 raise RuntimeError("prefix hits are only taken at first admission")
-            for block_id in hits:
-                table.append(self._take_hit(block_id))
+            table.extend(self._take_hits(hits))
             request.num_computed_tokens = len(hits) * self.block_size
-            self.num_registered[request.request_id] = (len(hits), self.block_keys[hits[-1]])
+            self.num_registered[request.request_id] = (len(hits), self.block_keys[table[-1]])
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > self.free_pool.num_free:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         if needed > 0:
             table.extend(self._take_free(needed))
 
-    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+    def _take_hits(self, hits: Sequence[int]) -> list[int]:
+        """The blocks of a request's prefix hits, in order. The device hits are taken first:
+        the free block a host hit is copied into may not be one of them. Host hits are
+        pinned before any is taken: storing an evicted block may not overwrite one."""
+        host_slots = [host_slot(hit) for hit in hits if hit < 0]
+        if host_slots and self.host is None:
+            raise RuntimeError("a host-tier hit without a host tier")
+        for slot in host_slots:
+            self.host.pin(slot)
+        taken = [self._take_hit(hit) if hit >= 0 else hit for hit in hits]
+        return [block if block >= 0 else self._load_from_host(host_slot(block))
+                for block in taken]
+
+    def _load_from_host(self, slot: int) -> int:
+        """A free block that the host tier's block in `slot` is copied into before the step
+        runs; it joins the prefix cache at once, as a computed block would."""
+        entry = self.host.entry(slot)
+        self.host.record_hit(slot)
+        block_id = self._take_free(1)[0]
+        self.block_keys[block_id] = entry.key
+        self.cached_blocks[entry.key] = block_id
+        self.block_origins[block_id] = (entry.parent, entry.tokens)
+        if self.cache_listener is not None:
+            self.cache_listener.stored(entry.key, entry.parent, entry.tokens)
+        self.kv_loads.append((slot, block_id))
+        return block_id
+
+    def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's planned copies, (stores, loads), for the runner to run in that order
+        before the step's forward; the host tier's slots are free to be evicted again."""
+        stores, loads = self.kv_stores, self.kv_loads
+        self.kv_stores, self.kv_loads = [], []
+        if self.host is not None:
+            self.host.unpin_all()
+        return stores, loads
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, hits: Sequence[int]) -> None:
+        """Count a prompt's lookup per tier, in tokens: the device's queries are the prompt,
+        the host tier's the tokens the device missed."""
+        num_host_hits = sum(1 for hit in hits if hit < 0)
+        device_hit_tokens = (len(hits) - num_host_hits) * self.block_size
         self.prefix_queries += num_prompt_tokens
-        self.prefix_hits += num_hit_tokens
+        self.prefix_hits += device_hit_tokens
+        if self.host is not None:
+            self.host_queries += num_prompt_tokens - device_hit_tokens
+            self.host_hits += num_host_hits * self.block_size
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; cached ones stay findable until reused."""
@@ -288,8 +368,21 @@ class BlockManager:
                 if listener is not None:
                     listener.evicted(key)
                 keys[block_id] = None
+                if self.host is not None:
+                    self._store_in_host(block_id, key)
             refs[block_id] = 1  # it was free: no table held it
         return taken
+
+    def _store_in_host(self, block_id: int, key: BlockHash) -> None:
+        """A cached block leaving the device goes to the host tier, copied before the step
+        that overwrites it runs (no copy when the tier already holds it, or cannot)."""
+        origin = self.block_origins[block_id]
+        self.block_origins[block_id] = None
+        if origin is None:
+            return
+        slot = self.host.store(HostEntry(key, *origin))
+        if slot is not None:
+            self.kv_stores.append((block_id, slot))
 
     def _take_hit(self, block_id: int) -> int:
         """A cached block, shared with the request that found it in the prefix cache."""

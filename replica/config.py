@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,15 +26,23 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CPU_LINEARS = ("auto", "onednn", "torch")
 CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
 CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
+KV_OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend; lmcache is not ours
 
 
 
 def setting(default: Any, help: str, aliases: tuple[str, ...] = (),
-            choices: tuple[str, ...] | None = None) -> Any:  # noqa: ANN401 - a dataclass field
+            choices: tuple[str, ...] | None = None,
+            parse: Callable[[str], Any] | None = None) -> Any:  # noqa: ANN401 - a dataclass field
     """A field that is a user-facing setting: its one declaration. The CLI flag (`--name`),
-    its aliases (TensorRT-LLM spellings, as kwargs and flags) and its help come from here."""
+    its aliases (TensorRT-LLM spellings, as kwargs and flags) and its help come from here;
+    `parse` reads the flag's text where the field's type alone cannot (a number or "auto")."""
     return field(default=default, metadata={"help": help, "aliases": aliases,
-                                            "choices": choices})
+                                            "choices": choices, "parse": parse})
+
+
+def gib_or_auto(text: str) -> float | str:
+    """A size flag's value: a number of GiB, or "auto"."""
+    return text if text == "auto" else float(text)
 
 
 def offline_cpu_threads() -> int:
@@ -68,12 +77,23 @@ class CacheConfig:
         "free at start, shared among cpu_replicas_per_node, capped at max_num_seqs full-length "
         "requests)")
     cpu_replicas_per_node: int = setting(
-        1, "engines sharing this node's memory on CPU (the Serve app sets its replica count)")
+        1, "engines sharing this node's memory: their CPU KV caches, the host KV tier's auto "
+        "size (the Serve app sets its replica count)")
     enable_prefix_caching: bool = setting(True, "share full prompt blocks between requests")
     # Only 0 is accepted: preemption recomputes (vLLM v1's choice too); the setting exists so
     # that vLLM command lines fail loudly, not silently.
     swap_space: float = setting(0.0, "GiB of host swap for KV blocks (only 0: preemption "
                                 "recomputes)")
+    # The host KV tier (replica/host_kv_tier.py): off by default, as in vLLM. "auto" is sized
+    # where the engine starts, from the node's free memory (host_kv_tier.auto_kv_offloading_gib).
+    kv_offloading_size: float | str | None = setting(
+        None, "GiB of host memory for a KV tier below the device KV cache: full prefix-cache "
+        "blocks evicted from the device are kept there and copied back instead of recomputed; "
+        "auto: half the node's free memory shared among cpu_replicas_per_node, at most 64 GiB "
+        "(default: off)", parse=gib_or_auto)
+    kv_offloading_backend: str = setting(
+        "native", "the host KV tier's implementation (only native: iterserve's own)",
+        choices=KV_OFFLOADING_BACKENDS)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -88,6 +108,17 @@ class CacheConfig:
         _require(self.swap_space == 0,
                  f"swap_space={self.swap_space}: swapping KV blocks to host memory is not "
                  "implemented; preemption recomputes instead. Leave swap_space at 0")
+        _require(self.kv_offloading_backend in KV_OFFLOADING_BACKENDS,
+                 f"unknown kv_offloading_backend {self.kv_offloading_backend!r}; only "
+                 f"{', '.join(KV_OFFLOADING_BACKENDS)} is implemented")
+        size = self.kv_offloading_size
+        if size is not None:
+            _require(size == "auto" or (not isinstance(size, str | bool) and size > 0),
+                     f"kv_offloading_size must be > 0 GiB or 'auto', got {size!r}; "
+                     "leave it unset to turn the host KV tier off")
+            _require(self.enable_prefix_caching,
+                     "kv_offloading_size needs enable_prefix_caching: the host KV tier keeps "
+                     "prefix-cache blocks under their hash chain")
 
 
 @dataclass(frozen=True)
@@ -244,7 +275,7 @@ class SettingSpec:
     """One user-facing engine setting, read from its field's declaration."""
 
     name: str
-    type: Any  # int, float, str or bool (Optional stripped)
+    type: Any  # int, float, str or bool (Optional stripped), or the field's parse function
     default: Any
     help: str
     aliases: tuple[str, ...]
@@ -260,9 +291,9 @@ def engine_settings() -> tuple[SettingSpec, ...]:
             if "help" not in f.metadata:
                 continue
             options = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
-            specs.append(SettingSpec(f.name, options[0] if options else hints[f.name], f.default,
-                                     f.metadata["help"], f.metadata["aliases"],
-                                     f.metadata["choices"]))
+            kind = f.metadata["parse"] or (options[0] if options else hints[f.name])
+            specs.append(SettingSpec(f.name, kind, f.default, f.metadata["help"],
+                                     f.metadata["aliases"], f.metadata["choices"]))
     return tuple(specs)
 
 

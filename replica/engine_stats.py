@@ -32,6 +32,8 @@ from iterserve.replica.stats import (
 if TYPE_CHECKING:
     from iterserve.replica.block_manager import BlockManager
     from iterserve.replica.config import EngineConfig
+    from iterserve.replica.host_kv_tier import HostKVTier
+    from iterserve.replica.runner_base import Runner
     from iterserve.replica.scheduler import Scheduler
 
 
@@ -40,6 +42,7 @@ class EngineStatsReporting:
     block_manager: BlockManager
     config: EngineConfig
     clock: Callable[[], float]
+    runner: Runner
     num_waiting_requests: int  # LLMEngine's property (held requests included)
 
     def init_stats(self) -> None:
@@ -54,6 +57,8 @@ class EngineStatsReporting:
         self._block_hashes = BlockHashIndex()
         if self.block_manager.enable_prefix_caching:
             self.block_manager.cache_listener = self._block_hashes
+        # Only the model runner has a host KV tier (and only when kv_offloading_size is set).
+        self._host_tier: HostKVTier | None = getattr(self.runner, "host_tier", None)
 
     def cached_block_hashes(self) -> list[int] | None:
         """The stable hashes (`block_hashes`) of the blocks in the prefix cache now, or
@@ -86,6 +91,10 @@ class EngineStatsReporting:
             queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
             prefix_cache_queries=manager.prefix_queries,
             prefix_cache_hits=manager.prefix_hits,
+            host_cache_queries=manager.host_queries,
+            host_cache_hits=manager.host_hits,
+            kv_offload_bytes=dict(self._host_tier.bytes_copied) if self._host_tier else {},
+            kv_offload_seconds=dict(self._host_tier.copy_seconds) if self._host_tier else {},
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
             finished_by_reason=dict(self.finished_by_reason),
         )

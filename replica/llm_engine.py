@@ -38,6 +38,7 @@ from iterserve.replica.detokenizer import IncrementalDetokenizer
 from iterserve.replica.engine_stats import EngineStatsReporting
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.fault_isolation import execute_isolating_faults, execute_one_by_one
+from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
@@ -85,7 +86,8 @@ class LLMEngine(EngineStatsReporting):
         with self.startup.stage("engine_start"):
             self.block_manager = BlockManager(self.runner.num_kv_blocks(),
                                               config.cache.block_size,
-                                              config.cache.enable_prefix_caching)
+                                              config.cache.enable_prefix_caching,
+                                              self._host_kv_index(config))
             self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
                                        plans_ahead=bool(config.async_scheduling))
             self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
@@ -106,6 +108,15 @@ class LLMEngine(EngineStatsReporting):
         from iterserve.replica.model_runner import ModelRunner
 
         return ModelRunner(config, model_path)
+
+    def _host_kv_index(self, config: EngineConfig) -> HostKVIndex | None:
+        """The index of the runner's host KV tier, if the config asks for one."""
+        if config.cache.kv_offloading_size is None:
+            return None
+        if config.runner != "model":
+            raise ValueError(f"kv_offloading_size needs runner='model' (the host KV tier "
+                             f"holds real KV tensors), not runner={config.runner!r}")
+        return HostKVIndex(self.runner.num_host_kv_blocks())
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LLMEngine:

@@ -18,8 +18,9 @@ from iterserve.replica.attention_metadata import AttentionMetadata, count_leadin
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
-from iterserve.replica.cpu_memory import cpu_kv_cache_bytes
+from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
+from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
 from iterserve.replica.ops import select_ops
@@ -103,6 +104,13 @@ class ModelRunner:
                     for _ in range(self.model_config.num_hidden_layers)
                 ]
                 stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
+            # The host KV tier below it (off by default): allocated, not written.
+            self.host_tier: HostKVTier | None = None
+            if config.cache.kv_offloading_size is not None:
+                slots = host_kv_slots(self._kv_offloading_gib(), self.kv_bytes_per_block)
+                self.host_tier = HostKVTier(slots, self.kv_caches)
+                logger.info("host KV tier: %d blocks (%.2f GiB)", slots,
+                            self.host_tier.nbytes / 2**30)
         if self.cpu_attention is not None:
             with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
                 mc = self.model_config
@@ -146,6 +154,21 @@ class ModelRunner:
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
+
+    def _kv_offloading_gib(self) -> float:
+        """The host tier's size: the setting's, or for "auto" a share of the memory free now
+        (on CPU less the device KV cache, allocated but not yet touched, so not yet counted)."""
+        cache = self.config.cache
+        if cache.kv_offloading_size != "auto":
+            return float(cache.kv_offloading_size)
+        free = available_memory_bytes()
+        if self.device.type == "cpu":
+            free = max(0, free - self._num_blocks * self.kv_bytes_per_block)
+        return auto_kv_offloading_gib(free, cache.cpu_replicas_per_node)
+
+    def num_host_kv_blocks(self) -> int:
+        """How many blocks the host KV tier holds (0: no tier)."""
+        return self.host_tier.num_slots if self.host_tier is not None else 0
 
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
@@ -242,6 +265,7 @@ class ModelRunner:
     ) -> tuple[list[Request], torch.Tensor] | None:
         """Run the forward pass; the requests that sample and their logits [S, V] fp32.
         Prompt logprobs of the chunks that ask for them go into `scored`."""
+        self._copy_kv_blocks(scheduler_output)
         if scheduler_output.is_empty:
             return None
         prepared = prepare_inputs(scheduler_output, self.block_size)
@@ -251,6 +275,15 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[indices])  # [num_sampling, V] fp32
         return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
+
+    def _copy_kv_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's host-tier copies, before its forward: evicted blocks out first (a
+        block copied back may land in one of them), then the hits back in."""
+        tier = self.host_tier
+        if tier is None or not (scheduler_output.kv_stores or scheduler_output.kv_loads):
+            return
+        tier.store(self.kv_caches, scheduler_output.kv_stores)
+        tier.load(self.kv_caches, scheduler_output.kv_loads)
 
     def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
                                prepared: PreparedInputs, hidden: torch.Tensor,

@@ -57,7 +57,8 @@ class SchedulerOutput:
     """What the runner must compute in one iteration: a flat batch of decodes and chunks.
 
     `scheduled` holds decodes first, then prefill chunks, in the order the runner lays them
-    out. `preempted` is informational: those requests' blocks were already freed.
+    out. `preempted` is informational: those requests' blocks were already freed. A runner
+    runs `kv_stores`, then `kv_loads`, then the forward.
     The sum of `num_new_tokens` is at most max_num_batched_tokens and len(scheduled) at
     most max_num_seqs.
     """
@@ -65,6 +66,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # KV copies to run before the forward, stores first (replica/block_manager.py): device
+    # blocks into host-tier slots (block, slot), then host slots into device blocks (slot,
+    # block). Empty without a host KV tier.
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -235,6 +235,7 @@ class Scheduler:
             budget = self._admit_waiting(output, budget)
         budget = self.batching.schedule_padding(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
         return output
 
     def _plannable(self, request: Request) -> bool:
@@ -324,7 +325,7 @@ class Scheduler:
                 continue
             self.waiting.pop()
             if request.admitted_time is None:
-                manager.record_prefix_lookup(request.num_prompt_tokens, num_hit_tokens)
+                manager.record_prefix_lookup(request.num_prompt_tokens, hits)
                 request.num_cached_tokens = num_hit_tokens
             manager.allocate(request, num_new, hits)
             request.status = RequestStatus.RUNNING

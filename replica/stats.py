@@ -38,7 +38,14 @@ class EngineStats:
     prefill_token_rate: float = 0.0
     queued_prefill_tokens: int = 0  # the scheduler's num_queued_prefill_tokens()
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
-    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached on the device
+    # The host KV tier (0 and empty without one): cumulative prompt tokens the device missed
+    # and looked up there, those found there, and the bytes and seconds of the copies by
+    # vLLM's transfer_type ("GPU_to_CPU", "CPU_to_GPU").
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    kv_offload_bytes: dict[str, int] = field(default_factory=dict)
+    kv_offload_seconds: dict[str, float] = field(default_factory=dict)
     max_waiting_requests: int | None = None
     # cumulative requests ended per finish reason (each counted once, when it ends)
     finished_by_reason: dict[str, int] = field(default_factory=dict)

@@ -79,6 +79,33 @@ def test_record_follows_vllm_semantics(registry: CollectorRegistry) -> None:
     assert _value(registry, m.ITERATION_TOKENS, "_count") == 2.0
 
 
+def test_host_tier_counters_per_tier_and_transfer_type(registry: CollectorRegistry) -> None:
+    logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_BYTES, transfer_type="CPU_to_GPU") == 0.0
+    logger.record(_engine(prefix_cache_queries=300, prefix_cache_hits=32, host_cache_queries=268,
+                          host_cache_hits=160, kv_offload_bytes={"GPU_to_CPU": 4096,
+                                                                 "CPU_to_GPU": 2048},
+                          kv_offload_seconds={"GPU_to_CPU": 0.5, "CPU_to_GPU": 0.25}),
+                  _iteration(), [])
+    logger.record(_engine(prefix_cache_queries=300, prefix_cache_hits=32, host_cache_queries=300,
+                          host_cache_hits=176, kv_offload_bytes={"GPU_to_CPU": 4096,
+                                                                 "CPU_to_GPU": 3072},
+                          kv_offload_seconds={"GPU_to_CPU": 0.5, "CPU_to_GPU": 0.375}),
+                  _iteration(), [])
+    assert _value(registry, m.PREFIX_CACHE_HITS) == 32.0  # the device tier
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_QUERIES) == 300.0  # the host tier
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_HITS) == 176.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_BYTES, transfer_type="CPU_to_GPU") == 3072.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_BYTES, transfer_type="GPU_to_CPU") == 4096.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_TIME, transfer_type="CPU_to_GPU") == 0.375
+
+
+def test_transfer_types_are_the_host_tiers() -> None:
+    from iterserve.replica.host_kv_tier import TRANSFER_TYPES
+
+    assert m.TRANSFER_TYPES == TRANSFER_TYPES
+
+
 def test_an_engine_restart_does_not_make_counters_go_backwards(
         registry: CollectorRegistry) -> None:
     logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)
@@ -179,7 +206,9 @@ from prometheus_client import Gauge
 from iterserve.dashboards import metrics as m
 logger = m.PrometheusStatLogger("tiny", sys.argv[1])
 engine = Record(num_running=int(sys.argv[2]), num_waiting=0, kv_usage=0.5, num_preemptions=0,
-                num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0)
+                num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                host_cache_queries=0, host_cache_hits=0, kv_offload_bytes={},
+                kv_offload_seconds={})
 step = Record(num_prompt_tokens=30, num_generation_tokens=3, time_to_first_tokens_s=[0.1],
               inter_token_latencies_s=[])
 logger.record(engine, step, [])

@@ -1,0 +1,1 @@
+"""A study: see its README."""
