@@ -140,7 +140,8 @@ class CpuAttention:
         self.decode = decode  # "blocks" or "loop"
         self.decode_note = ""  # why decode fell back, when it did
         self.compile_seconds = 0.0
-        self._compiled = compiled_decode_blocks() if decode == "blocks" else None
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compile_pending = decode == "blocks"
 
     @property
     def paths(self) -> dict[str, str]:
@@ -172,11 +173,11 @@ class CpuAttention:
         Called as the model will call it, since dynamo guards on all of it: the queries a view
         of the fused q/k/v projection (`fused_heads` = Hq + 2 Hkv heads per token), the
         model's softmax scale (default head_dim ** -0.5), inference mode."""
-        if self._compiled is None:
+        start = time.perf_counter()
+        if self._compiled_decode() is None:
             return
         k_cache, v_cache = kv_cache
         head_dim = k_cache.shape[3]
-        start = time.perf_counter()
         for num_seqs in (1, 2):  # dynamo compiles 1 apart from the dynamic size
             fused = torch.zeros((num_seqs, fused_heads or num_heads, head_dim), dtype=dtype)
             query = fused[:, :num_heads]  # [S, Hq, D]
@@ -186,15 +187,25 @@ class CpuAttention:
             self._decode(query, k_cache, v_cache, work, scale or head_dim**-0.5)
         self.compile_seconds = time.perf_counter() - start
 
+    def _compiled_decode(self) -> Callable[..., torch.Tensor] | None:
+        """The compiled decode, its wrapper made on first use: torch.compile imports dynamo
+        and inductor (seconds), which the engine's start then counts in its graphs stage, not
+        before its first stage. None for the loop, or once the compiled path has failed."""
+        if self._compile_pending:
+            self._compile_pending = False
+            self._compiled = compiled_decode_blocks()
+        return self._compiled
+
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 work: torch.Tensor, scale: float) -> torch.Tensor | None:
         """The compiled decode ([S, Hq, D] fp32), or None once it has failed."""
-        if self._compiled is None:
+        compiled = self._compiled_decode()
+        if compiled is None:
             return None
         for tensor in (query, work, k_cache, v_cache):  # sizes that change between steps
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
         try:
-            return self._compiled(query, k_cache, v_cache, work, scale)
+            return compiled(query, k_cache, v_cache, work, scale)
         except Exception as error:  # inductor and the C++ compiler raise many types: any
             # failure means the compiled path is gone for this engine, and the loop is exact
             self._compiled = None
@@ -215,7 +226,7 @@ class CpuAttention:
         built once per step by the runner (computed here when a caller gave none)."""
         out = torch.empty(query.shape, dtype=query.dtype)  # [T, Hq, D]
         decoded = 0
-        if num_decodes and self._compiled is not None:
+        if num_decodes and self._compiled_decode() is not None:
             if split_work is None:
                 split_work = torch.from_numpy(decode_work(
                     seq_lens[:num_decodes].numpy(), block_tables.numpy(), k_cache.shape[1]))
