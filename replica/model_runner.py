@@ -20,6 +20,7 @@ from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
+from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
@@ -282,8 +283,14 @@ class ModelRunner:
         tier = self.host_tier
         if tier is None or not (scheduler_output.kv_stores or scheduler_output.kv_loads):
             return
-        tier.store(self.kv_caches, scheduler_output.kv_stores)
-        tier.load(self.kv_caches, scheduler_output.kv_loads)
+        try:
+            tier.store(self.kv_caches, scheduler_output.kv_stores)
+            tier.load(self.kv_caches, scheduler_output.kv_loads)
+        except Exception as error:  # noqa: BLE001 - re-raised as a fault of the whole step
+            # Not one request's fault: fault isolation would rerun the requests one by one
+            # without these copies, and a hit whose blocks never arrived would read stale KV.
+            # Stopping the step is the only answer that never yields a wrong token.
+            raise DeviceFaultError(f"host KV tier copy failed: {error!r}") from error
 
     def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
                                prepared: PreparedInputs, hidden: torch.Tensor,

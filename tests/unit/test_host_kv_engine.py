@@ -8,6 +8,7 @@ import random
 import pytest
 
 from iterserve.replica import EngineConfig, LLMEngine, SamplingParams
+from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.make_model import default_model_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -136,3 +137,25 @@ def test_auto_sizes_the_tier_from_free_memory_where_the_engine_starts(model_path
     tier = engine.runner.host_tier
     assert tier.num_slots > 0 and engine.block_manager.host.num_slots == tier.num_slots
     assert tier.nbytes <= 64 * 2**30
+
+
+def test_a_failed_copy_back_stops_the_step_instead_of_reading_stale_kv(
+        model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault isolation reruns a failed step's requests one by one without its copies: a hit
+    whose blocks never came back would then attend to whatever the device block held. A copy
+    that raises is therefore a fault of the whole step, as a device error is."""
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        model=model_path, num_gpu_blocks_override=DEVICE_BLOCKS, block_size=BLOCK,
+        kv_offloading_size=TIER_GIB))
+    histories = conversations()
+    answers = [run_alone(engine, history)[0] for history in histories]  # evicts to the host
+    tier = engine.runner.host_tier
+
+    def broken_load(*_args: object) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(tier, "load", broken_load)
+    engine.add_request(histories[0] + answers[0] + [100, 200], GREEDY)
+    with pytest.raises(DeviceFaultError, match="host KV tier copy failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
