@@ -5,8 +5,9 @@ query against a real Prometheus. Metric names come from `metrics.py` only.
 
 Grafana variables used in queries: ``$model_name`` (multi-value, so ``=~``) and
 ``$__rate_interval``. `Target.requires` names what must be running for the query to return
-data: ``engine`` (any iterserve replica), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter:
-DCGM, nvidia_gpu_exporter, or Ray's node metrics on a GPU node).
+data: ``engine`` (any iterserve replica), ``host_tier`` (a replica with a host KV tier:
+kv_offloading_size set), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter: DCGM,
+nvidia_gpu_exporter, or Ray's node metrics on a GPU node).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from iterserve.dashboards import metrics as m
 
-REQUIREMENTS = ("engine", "router", "autoscaler", "gpu")
+REQUIREMENTS = ("engine", "host_tier", "router", "autoscaler", "gpu")
 DEFAULT_KV_WATERMARK = 0.9  # the line drawn on the KV-usage panel
 
 
@@ -113,7 +114,7 @@ THROUGHPUT = Row("Throughput", (
                   "device"),
            Target(f"sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
                   f"(sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
-                  "host tier")),
+                  "host tier", requires="host_tier")),
           max_value=1.0),
 ))
 
