@@ -20,7 +20,12 @@ from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
-from iterserve.replica.block_keys import block_tokens, num_cacheable_blocks
+from iterserve.replica.block_keys import (
+    CacheNamespace,
+    block_tokens,
+    namespaced,
+    num_cacheable_blocks,
+)
 
 
 class ParsedLoads:
@@ -49,12 +54,14 @@ class ParsedLoads:
 
 
 def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable],
-                         loads: Sequence[ReplicaLoad | None]) -> dict[Hashable, int] | None:
+                         loads: Sequence[ReplicaLoad | None],
+                         namespace: CacheNamespace = b"") -> dict[Hashable, int] | None:
     """Per candidate that reported its prefix cache: how many leading prompt tokens it
     holds. Candidates without a report are left out (missing means 0); None when none
     reported. The prompt's chain is hashed once per block size the replicas report, and
     only as deep as some replica holds it: a long prompt whose head nobody caches costs
-    one block hash, not one per block."""
+    one block hash, not one per block. `namespace`: the request's cache namespace
+    (block_keys.cache_namespace), which its first block's key carries as the replicas' do."""
     reporters: dict[int, list[tuple[Hashable, frozenset[int]]]] = {}
     for replica_id, load in zip(candidates, loads, strict=True):
         if load is not None and load.cached_block_hashes is not None:
@@ -68,7 +75,8 @@ def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable
             hits[replica_id] = 0
         parent = ROOT
         for i in range(num_cacheable_blocks(len(token_ids), size)):
-            parent = stable_block_hash(parent, block_tokens(token_ids[i * size:(i + 1) * size]))
+            chunk = block_tokens(token_ids[i * size:(i + 1) * size])
+            parent = stable_block_hash(parent, namespaced(namespace, chunk) if i == 0 else chunk)
             holders = [(rid, cached) for rid, cached in holders if parent in cached]
             if not holders:
                 break

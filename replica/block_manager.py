@@ -31,6 +31,7 @@ from iterserve.replica.block_keys import (
     BlockHash,
     BlockTokens,
     block_tokens,
+    namespaced,
     num_cacheable_blocks,
 )
 from iterserve.replica.free_block_pool import FreeBlockPool
@@ -139,11 +140,13 @@ class BlockManager:
         hits: list[int] = []
         key = ROOT_HASH
         host = self.host
+        namespace = request.cache_namespace
         for i in range(max_blocks):  # block_hash, inlined: once per block of every admission
             if packed is not None:  # the same bytes block_tokens makes of the slice
-                key = hash((key, packed[i * size * 8 : (i + 1) * size * 8]))
+                chunk: BlockTokens = packed[i * size * 8 : (i + 1) * size * 8]
             else:
-                key = hash((key, block_tokens(tokens[i * size : (i + 1) * size])))
+                chunk = block_tokens(tokens[i * size : (i + 1) * size])
+            key = hash((key, namespaced(namespace, chunk) if i == 0 else chunk))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
                 slot = host.lookup(key) if host is not None else None
@@ -188,6 +191,8 @@ class BlockManager:
                 chunk: BlockTokens = packed[offset * 8 : offset * 8 + width]
             else:
                 chunk = block_tokens(tokens[offset : offset + block_size])
+            if i == 0:
+                chunk = namespaced(request.cache_namespace, chunk)
             key = hash((parent, chunk))
             offset += block_size
             block_id = table[i]

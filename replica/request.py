@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.logprobs import PromptLogprobsChunk, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -80,6 +81,9 @@ class Request:
     # simulator's synthetic prompts): the block manager slices its prefix-cache keys from it
     # where it reaches. None, or beyond it: the block manager converts the tokens.
     prompt_token_bytes: bytes | None = None
+    # The namespace its cached blocks live in (block_keys.cache_namespace: a salt, an
+    # adapter): it shares cached blocks only with requests of the same namespace.
+    cache_namespace: CacheNamespace = b""
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs and not self.prompt_logprobs:
