@@ -220,10 +220,34 @@ class EngineConfig:
     cpu_decode_attention: str = setting(
         "auto", "CPU decode attention: blocks (compiled, over (sequence, KV block) pairs, in "
         "place) or loop (kernels/reference.py)", choices=CPU_DECODE_ATTENTIONS)
+    # LoRA (replica/lora_*.py), vLLM's names. Adapters are PEFT folders; each is served as a
+    # model name of its own. Off by default: no linear is wrapped, nothing changes.
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders) beside the base "
+                                "model, each under its own model name")
+    max_loras: int = setting(1, "most distinct LoRA adapters in one batch (the device slots)")
+    max_lora_rank: int = setting(16, "largest LoRA rank an adapter may have (slots are padded "
+                                 "to it)")
+    max_cpu_loras: int | None = setting(None, "LoRA adapters kept read in host memory, LRU "
+                                        "(default: max_loras)")
+    lora_modules: str | None = setting(None, "adapters served from start: name=path pairs "
+                                       "separated by commas")
+    runtime_lora_root: str | None = setting(
+        None, "enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter; loads read only "
+        "adapter folders under this directory (unset: the endpoints answer 404)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """lora_modules as {name: path}, in the order given."""
+        if not self.lora_modules:
+            return {}
+        pairs = [item.strip() for item in self.lora_modules.split(",") if item.strip()]
+        return {name.strip(): path.strip()
+                for name, path in (pair.split("=", 1) for pair in pairs)}
+
     def __post_init__(self) -> None:
+        self._check_lora()
         _require(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"unknown attention_backend {self.attention_backend!r}; "
@@ -238,6 +262,20 @@ class EngineConfig:
                               ("cpu_decode_attention", CPU_DECODE_ATTENTIONS)):
             _require(getattr(self, name) in choices,
                      f"unknown {name} {getattr(self, name)!r}; choose one of {choices}")
+
+    def _check_lora(self) -> None:
+        _require(self.max_loras >= 1, "max_loras must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras must be >= max_loras")
+        if not self.enable_lora:
+            _require(not self.lora_modules and self.runtime_lora_root is None,
+                     "lora_modules and runtime_lora_root need enable_lora")
+            return
+        _require(self.runner == "model", "enable_lora needs runner='model'")
+        for pair in (self.lora_modules or "").split(","):
+            _require(not pair.strip() or "=" in pair and all(p.strip() for p in pair.split("=", 1)),
+                     f"lora_modules entry {pair.strip()!r} is not name=path")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

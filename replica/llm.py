@@ -43,10 +43,12 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Run every prompt to completion as one continuously batched workload.
 
         `on_step`, if given, is called after every engine step (tests check invariants there).
+        `lora_name`: the adapter of every prompt, or one per prompt (None: the base model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -54,11 +56,15 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        adapters = ([lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str)
+                    else list(lora_name))
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapter names")
         results: dict[str, GenerationResult] = {}
         order = []
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, adapter in zip(prompts, params_list, adapters, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = self.engine.add_request(ids, p)
+            request_id = self.engine.add_request(ids, p, lora_name=adapter)
             results[request_id] = GenerationResult(
                 request_id, ids, [CompletionOutput(index=i) for i in range(p.n)]
             )

@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from iterserve.replica.block_keys import cache_namespace
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.constrained_requests import ConstrainedRequests
 from iterserve.replica.detokenizer import IncrementalDetokenizer
+from iterserve.replica.engine_lora import EngineLoRA
 from iterserve.replica.engine_stats import EngineStatsReporting
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.fault_isolation import execute_isolating_faults, execute_one_by_one
@@ -62,7 +64,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
-class LLMEngine(EngineStatsReporting):
+class LLMEngine(EngineStatsReporting, EngineLoRA):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         # Its start-up stages (replica/startup.py), the runner's merged in below.
         self.startup = StartupRecorder()
@@ -89,7 +91,9 @@ class LLMEngine(EngineStatsReporting):
                                               config.cache.enable_prefix_caching,
                                               self._host_kv_index(config))
             self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
-                                       plans_ahead=bool(config.async_scheduling))
+                                       plans_ahead=bool(config.async_scheduling),
+                                       max_loras=config.max_loras if config.enable_lora else 0)
+            self.init_lora(config)
             self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,
                                                    sorted(self.eos_token_ids))
         self._in_flight: InFlightStep | None = None  # async scheduling: the launched step
@@ -130,9 +134,12 @@ class LLMEngine(EngineStatsReporting):
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Bad input raises ValueError."""
+        """Queue a request (text or token ids); returns its id. Bad input raises ValueError;
+        `lora_name` not registered raises UnknownAdapterError."""
         params = sampling_params or SamplingParams()
+        self.check_lora_name(lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.children:
@@ -153,6 +160,8 @@ class LLMEngine(EngineStatsReporting):
                 eos_token_ids=self.eos_token_ids,
                 index=i,
                 parent_id=request_id,
+                lora_name=lora_name,
+                cache_namespace=cache_namespace(adapter=lora_name),
             )
             for i in range(params.n)
         ]

@@ -24,6 +24,7 @@ from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
+from iterserve.replica.lora_manager import LoRAManager
 from iterserve.replica.ops import select_ops
 from iterserve.replica.outputs import RunnerOutput, SchedulerOutput
 from iterserve.replica.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -85,6 +86,9 @@ class ModelRunner:
         with self.startup.stage("weights_pack") as stage:  # oneDNN's layout, written once
             self._linear_path = (pack_linears(self.model, config.cpu_linear, copied=stage.copied)
                                  if self.device.type == "cpu" else "")
+        self.lora = (LoRAManager(self.model, self.model_config, config.max_loras,
+                                 config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+                     if config.enable_lora else None)  # wraps the linears, base ones kept
         self.vocab_size = self.model_config.vocab_size
         self.block_size = config.cache.block_size
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -120,7 +124,8 @@ class ModelRunner:
                                            self.model.model.layers[0].self_attn.scale)
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # The LoRA rows -> slots change every step outside a captured graph: eager with LoRA.
+        if self.device.type == "cuda" and not config.enforce_eager and self.lora is None:
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
                                             max_batch_size=config.scheduler.max_num_seqs,
                                             max_blocks_per_seq=-(-config.scheduler.max_model_len
@@ -270,6 +275,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return None
         prepared = prepare_inputs(scheduler_output, self.block_size)
+        if self.lora is not None:
+            self.lora.prepare(scheduler_output.scheduled)
         hidden, indices = self._forward(prepared)  # [T, hidden], [num_sampling]
         self._score_prompt_logprobs(scheduler_output, prepared, hidden, scored)
         if not prepared.sample_rows:

@@ -84,6 +84,8 @@ class Request:
     # The namespace its cached blocks live in (block_keys.cache_namespace: a salt, an
     # adapter): it shares cached blocks only with requests of the same namespace.
     cache_namespace: CacheNamespace = b""
+    # The LoRA adapter it runs with (its model name in the API), None for the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs and not self.prompt_logprobs:

@@ -96,9 +96,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         plans_ahead: bool = False,
         policy: SchedulingPolicy | None = None,
+        max_loras: int = 0,
     ) -> None:
-        """policy: a SchedulingPolicy object to use instead of config.scheduler_policy's."""
+        """policy: a SchedulingPolicy object to use instead of config.scheduler_policy's;
+        max_loras: most distinct LoRA adapters among the running requests (0: no LoRA)."""
         self.config = config
+        self.max_loras = max_loras
         self.plans_ahead = plans_ahead  # async scheduling: see the module docstring
         self.block_manager = block_manager
         self.clock = clock
@@ -313,6 +316,8 @@ class Scheduler:
             request = self.waiting.peek()
             if not self.batching.admits(request) or request.num_output_placeholders:
                 break  # not in the static batch, or its preempted step is still in flight
+            if not self._adapter_fits(request):
+                break  # its adapter would need a slot the running adapters hold (FCFS waits)
             hits = manager.find_cached_prefix(request)
             num_hit_tokens = len(hits) * manager.block_size
             remaining = request.num_uncomputed_tokens - num_hit_tokens
@@ -338,6 +343,14 @@ class Scheduler:
             admitted += 1
         self.batching.admitted(admitted)
         return budget
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether running `request` keeps the running adapters within max_loras (vLLM's
+        rule: one step holds at most max_loras distinct adapters)."""
+        if request.lora_name is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < self.max_loras
 
     # ------------------------------------------------------------------------------ update
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:

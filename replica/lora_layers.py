@@ -1,0 +1,113 @@
+"""LoRA beside the base linears: one step applies each row's own adapter (Punica's idea).
+
+The base `Linear` is left as it is (on CPU its weight stays prepacked for oneDNN): a
+`LoRALinear` wraps it and adds `(x A_s^T) B_s^T` to the rows whose request uses the adapter
+in slot s. Each wrapped linear holds `max_loras` slots, zero-padded to `max_lora_rank`:
+`shrink` [slots, n_slices * R, in] (the A of every slice of a fused projection stacked, so
+the shrink of q/k/v or gate/up is one matmul) and `expand` [slots, out, R] (each slice's B,
+scaled, in its own rows), the layout the GPU's SGMV kernels read too (kernels/lora_sgmv.py).
+
+The step's row -> slot assignment is one `LoRABatch`, shared by every wrapped linear and set
+once per step by the runner before the forward (as vLLM's punica wrapper is): the adapter
+rows sorted by slot, and the runs of equal slot in that order. Each run costs two small
+matmuls per slice, whatever the batch size; rows without an adapter cost nothing, and a
+step with none skips LoRA altogether.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from iterserve.replica.models.layers import Linear
+
+
+@dataclass
+class LoRABatch:
+    """This step's adapter rows. `order`: the flat rows using an adapter, sorted by slot
+    (None when those rows already sit in runs of one slot each, so no gather is needed);
+    `runs`: (slot, start, end) over the sorted rows (or over the flat rows when `order` is
+    None). No runs: the step has no adapter row."""
+
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    order: torch.Tensor | None = None  # [N] int64 flat row indices
+
+    def assign(self, token_slots: list[int], device: torch.device) -> None:
+        """Set the step from each flat row's slot (-1: the base model alone)."""
+        self.runs, self.order = [], None
+        contiguous: list[tuple[int, int, int]] = []
+        start = 0
+        for row in range(1, len(token_slots) + 1):
+            if row == len(token_slots) or token_slots[row] != token_slots[start]:
+                if token_slots[start] >= 0:
+                    contiguous.append((token_slots[start], start, row))
+                start = row
+        if len({slot for slot, _, _ in contiguous}) == len(contiguous):
+            self.runs = contiguous
+            return
+        rows = sorted((slot, row) for row, slot in enumerate(token_slots) if slot >= 0)
+        self.order = torch.tensor([row for _, row in rows], dtype=torch.int64, device=device)
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i][0] != rows[start][0]:
+                self.runs.append((rows[start][0], start, i))
+                start = i
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus the adapters in its slots. `slices`: (offset, size) of each output
+    slice (q, k, v of a fused qkv; gate, up; or the whole output)."""
+
+    def __init__(self, base: Linear, slices: list[tuple[int, int]], max_loras: int,
+                 max_rank: int, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.max_rank = max_rank
+        self.batch = batch
+        weight = base.weight
+        out_features, in_features = weight.shape
+        self.shrink = torch.zeros(max_loras, len(slices) * max_rank, in_features,
+                                  dtype=weight.dtype, device=weight.device)
+        self.expand = torch.zeros(max_loras, out_features, max_rank, dtype=weight.dtype,
+                                  device=weight.device)
+
+    def set_slot(self, slot: int, per_slice: list[tuple[torch.Tensor, torch.Tensor] | None]
+                 ) -> None:
+        """Write an adapter into `slot`: per slice (A [r, in], B [out_slice, r]) or None for a
+        slice it does not adapt (left zero)."""
+        rank = self.max_rank
+        self.shrink[slot].zero_()
+        self.expand[slot].zero_()
+        for i, ((offset, size), pair) in enumerate(zip(self.slices, per_slice, strict=True)):
+            if pair is None:
+                continue
+            a, b = pair
+            self.shrink[slot, i * rank:i * rank + a.shape[0]].copy_(a)
+            self.expand[slot, offset:offset + size, :b.shape[1]].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        out = self.base(x)
+        batch = self.batch
+        if not batch.runs:
+            return out
+        if batch.order is None:
+            for slot, start, end in batch.runs:
+                self._add_lora(out[start:end], x[start:end], slot)
+            return out
+        rows = x.index_select(0, batch.order)  # [N, in], sorted by slot
+        delta = torch.zeros((rows.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
+        for slot, start, end in batch.runs:
+            self._add_lora(delta[start:end], rows[start:end], slot)
+        return out.index_add_(0, batch.order, delta)
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, slot: int) -> None:
+        """out += x A^T B^T for the adapter in `slot`, slice by slice (in place on views)."""
+        rank = self.max_rank
+        hidden = x @ self.shrink[slot].T  # [rows, n_slices * R]
+        expand = self.expand[slot]
+        for i, (offset, size) in enumerate(self.slices):
+            out[:, offset:offset + size].addmm_(hidden[:, i * rank:(i + 1) * rank],
+                                                expand[offset:offset + size].T)
