@@ -22,6 +22,7 @@ from iterserve.autoscale.signals import ROUTING_STATS_PERIOD_S
 from iterserve.deploy.engine_info import (
     describe_engine,
     flat_config,
+    lora_adapter_action,
     resolve_model_path,
     stream_engine,
 )
@@ -34,6 +35,7 @@ from iterserve.deploy.errors import (
 )
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
 from iterserve.replica.config import EngineConfig
+from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -61,7 +63,11 @@ class EngineClient(Protocol):
     async def tokenizer(self) -> Tokenizer: ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]: ...
+
+    async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
+        """Load or unload an adapter on every replica; OpenAIHTTPError when one refuses."""
 
     async def replica_infos(self) -> list[dict[str, Any]]: ...
 
@@ -104,9 +110,16 @@ class LocalEngineClient:
     async def replica_infos(self) -> list[dict[str, Any]]:
         return [describe_engine(self.engine, {"replica_id": "local"})]
 
+    async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
+        refused = await lora_adapter_action(self.engine, action, name, path)
+        if refused is not None:
+            raise refused.to_http()
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority)
+                       request_id: str, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
+                               lora_request)
         try:
             async for item in stream:
                 if isinstance(item, EngineErrorInfo):
@@ -227,6 +240,23 @@ class HandleEngineClient:
             infos.append(result)
         return infos
 
+    async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
+        """Broadcast a load or unload to every running replica (a control-plane call; one
+        started later reads the adapter when its first request for it carries the path).
+        The first refusal is the answer: a 400 for a bad adapter, a 409 while in use."""
+        try:
+            results = await self._handle.broadcast("lora_adapter", action, name,
+                                                   path).results_async(return_exceptions=True)
+        except Exception as error:  # noqa: BLE001 - Serve's "no replica" is an answer here
+            if type(unwrap_ray_error(error)).__name__ != "DeploymentUnavailableError":
+                raise http_error_for(error) from error
+            return  # none running: the registry alone holds it until one starts
+        for result in results:
+            if isinstance(result, BaseException):
+                raise http_error_for(result)
+            if result is not None and not (action == "unload" and result.status_code == 404):
+                raise result.to_http()  # an unload where a replica never had it is done
+
     async def _until_assigned(self, gen: Any) -> None:  # noqa: ANN401
         """Wait for Serve to give the request to a replica (Ray 2.60: the response's
         replica-result future, which `async for` awaits first; it stays pending while the
@@ -238,10 +268,11 @@ class HandleEngineClient:
             raise held_too_long(self._hold_timeout_s) from None
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
-                                                      priority)
+                                                      priority, lora_request)
             complete = False
             started = False
             try:

@@ -14,6 +14,7 @@ from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.errors import EngineErrorInfo, engine_error_info
+from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -66,13 +67,15 @@ async def stream_engine(
     params: SamplingParams,
     request_id: str,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
     """Yield the engine's deltas; an engine error before the first one is yielded as data.
 
     Closing this generator early (client disconnect: Serve injects CancelledError) closes the
     engine's generator, which aborts the request and frees its KV blocks.
     """
-    agen = engine.generate(prompt_token_ids, params, request_id, priority=priority)
+    agen = engine.generate(prompt_token_ids, params, request_id, priority=priority,
+                           lora_request=lora_request)
     try:
         try:
             first = await agen.__anext__()
@@ -90,3 +93,22 @@ async def stream_engine(
     finally:
         # The engine's generator aborts an unfinished request (frees its blocks) on close.
         await agen.aclose()
+
+
+async def lora_adapter_action(engine: Any, action: str, name: str,  # noqa: ANN401
+                              path: str | None) -> EngineErrorInfo | None:
+    """Load ("load", from `path`) or unload ("unload") an adapter on one engine; an engine
+    error (a malformed adapter, one still in use, one it lacks) comes back as data."""
+    try:
+        if action == "load" and path is not None:
+            await engine.load_lora(name, path)
+        elif action == "unload":
+            await engine.unload_lora(name)
+        else:
+            raise ValueError(f"unknown LoRA adapter action {action!r}")
+    except Exception as error:  # noqa: BLE001 - mapped below, re-raised if unknown
+        info = engine_error_info(error)
+        if info is None:
+            raise
+        return info
+    return None

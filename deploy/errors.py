@@ -20,12 +20,14 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from iterserve.deploy.schemas import ErrorInfo, ErrorResponse
+from iterserve.replica.engine_lora import AdapterInUseError
 from iterserve.replica.errors import (
     EngineDeadError,
     EngineDrainingError,
     QueueFullError,
     RequestFailedError,
 )
+from iterserve.replica.lora_manager import UnknownAdapterError
 
 
 class OpenAIHTTPError(Exception):
@@ -139,7 +141,11 @@ def engine_error_info(error: BaseException) -> EngineErrorInfo | None:
                                retry_elsewhere=True)
     if isinstance(error, RequestFailedError):
         return EngineErrorInfo(500, str(error), "internal_server_error")
-    if isinstance(error, ValueError):
+    if isinstance(error, UnknownAdapterError):  # a replica asked to unload what it lacks
+        return EngineErrorInfo(404, str(error), "not_found_error")
+    if isinstance(error, AdapterInUseError):
+        return EngineErrorInfo(409, str(error), "conflict_error")
+    if isinstance(error, ValueError):  # LoRALoadError among them: an adapter it cannot serve
         return EngineErrorInfo(400, str(error), "invalid_request_error")
     return None
 

@@ -56,6 +56,7 @@ from iterserve.deploy.tool_calls import (
     finish_reason_with_tools,
     response_tool_calls,
 )
+from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput, TokenLogprobs
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -115,9 +116,10 @@ class Job:
     prompts: list[list[int]]
     params: list[SamplingParams]
     n: int
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
     def open(self, client: EngineClient, priority: int) -> AsyncIterator[Indexed]:
-        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority)
+        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority, self.lora)
                    for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]
         return merge_streams(streams)
 
@@ -178,7 +180,8 @@ def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
 # ----------------------------------------------------------------------------- completions
 
 
-async def create_completion(req: CompletionRequest, client: EngineClient, info: ModelInfo
+async def create_completion(req: CompletionRequest, client: EngineClient, info: ModelInfo,
+                            lora: LoRARequest | None = None
                             ) -> JSONResponse | StreamingResponse:
     tokenizer = await client.tokenizer()
     # Tokenising runs off the event loop (HF tokenizers release the GIL): a long prompt must
@@ -188,7 +191,8 @@ async def create_completion(req: CompletionRequest, client: EngineClient, info: 
     for ids in prompts:
         check_prompt(ids, info)
         params.append(sampling_params(req, len(ids), info))
-    job = Job(random_id("cmpl"), now_s(), info.model_name, prompts, params, req.n)
+    job = Job(random_id("cmpl"), now_s(), lora.name if lora else info.model_name, prompts,
+              params, req.n, lora)
     echo = echo_texts(req, prompts, tokenizer)
     stream = job.open(client, req.priority)
     first = await _first(stream)
@@ -285,7 +289,8 @@ async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
 
 
 async def create_chat_completion(req: ChatCompletionRequest, client: EngineClient,
-                                 info: ModelInfo, tools: ToolSettings | None = None
+                                 info: ModelInfo, tools: ToolSettings | None = None,
+                                 lora: LoRARequest | None = None
                                  ) -> JSONResponse | StreamingResponse:
     tools = tools or ToolSettings()
     tokenizer = await client.tokenizer()
@@ -293,7 +298,8 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
     ids = await asyncio.to_thread(chat_prompt, req, tokenizer, info, template)
     check_prompt(ids, info)
     params = sampling_params(req, len(ids), info)
-    job = Job(random_id("chatcmpl"), now_s(), info.model_name, [ids], [params], req.n)
+    job = Job(random_id("chatcmpl"), now_s(), lora.name if lora else info.model_name, [ids],
+              [params], req.n, lora)
     stream = job.open(client, req.priority)
     first = await _first(stream)
     token_text = TokenText(tokenizer)

@@ -25,10 +25,11 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.deploy.engine_info import describe_engine, stream_engine
+from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
+from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.startup import StartupRecorder
@@ -148,11 +149,13 @@ class LLMReplica:
             return f"pid-{os.getpid()}"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0
+                       request_id: str, priority: int = 0,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
         """Stream one request's deltas; early close (disconnect) aborts it."""
         self._num_requests += 1
-        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority)
+        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
+                               lora_request)
         complete = False
         try:
             async for item in stream:
@@ -162,6 +165,12 @@ class LLMReplica:
             if not complete:
                 self._num_cancelled += 1
             await stream.aclose()
+
+    async def lora_adapter(self, action: str, name: str, path: str | None = None
+                           ) -> EngineErrorInfo | None:
+        """Load ("load", from `path`) or unload ("unload") an adapter here (the ingress
+        broadcasts it); an engine error comes back as data, None when done."""
+        return await lora_adapter_action(self.engine, action, name, path)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -5,7 +5,9 @@ router, so a route added there is protected by default), and `open_router`, whic
 only open routes (/health and /live for probes, /metrics for Prometheus).
 tests/unit/test_routes_auth.py lists every route of the app and checks which are open.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}] (LoRA
+adapters listed as models with `parent`), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (deploy/lora_adapters.py; 404 unless runtime_lora_root is set),
 POST /tokenize, POST /detokenize, GET /debug/replicas; open: GET /health, GET /live,
 GET /metrics.
 
@@ -39,6 +41,7 @@ from iterserve.deploy.errors import (
 )
 from iterserve.deploy.handlers import create_chat_completion, create_completion
 from iterserve.deploy.lifecycle import ServingState
+from iterserve.deploy.lora_adapters import LoRAAdapters, lora_router
 from iterserve.deploy.protocol import ModelInfo, chat_prompt
 from iterserve.deploy.schemas import ChatCompletionRequest, CompletionRequest
 from iterserve.deploy.schemas_tokens import (
@@ -77,8 +80,10 @@ async def read_body(request: Request, model: type[Body], limit: int) -> Body:
         raise from_validation_error(error) from error
 
 
-def check_model(requested: str | None, info: ModelInfo, aliases: Iterable[str]) -> None:
-    if requested and requested != info.model_name and requested not in aliases:
+def check_model(requested: str | None, info: ModelInfo, aliases: Iterable[str],
+                adapters: Iterable[str] = ()) -> None:
+    if (requested and requested != info.model_name and requested not in aliases
+            and requested not in adapters):
         raise model_not_found(requested)
 
 
@@ -103,31 +108,41 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
     tools = tools or ToolSettings()
     router = APIRouter(dependencies=[Depends(require_api_key)])
     model_aliases = tuple(model_aliases)
+    adapters = LoRAAdapters()
+
+    async def read(request: Request, model: type[Body]) -> Body:
+        return await read_body(request, model, limit)
+
+    router.include_router(lora_router(client, adapters, read))
 
     @router.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, limit)
         info = await client.model_info()
-        check_model(body.model, info, model_aliases)
-        return await create_completion(body, client, info)
+        check_model(body.model, info, model_aliases, adapters.all(info))
+        return await create_completion(body, client, info, adapters.request_for(body.model, info))
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, limit)
         info = await client.model_info()
-        check_model(body.model, info, model_aliases)
-        return await create_chat_completion(body, client, info, tools)
+        check_model(body.model, info, model_aliases, adapters.all(info))
+        return await create_chat_completion(body, client, info, tools,
+                                            adapters.request_for(body.model, info))
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         info = await client.model_info()
-        return JSONResponse(ModelList(data=[model_card(info)]).model_dump())
+        base = model_card(info)
+        return JSONResponse(ModelList(data=[base, *adapters.cards(info, base)]).model_dump())
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         info = await client.model_info()
-        check_model(model_id, info, model_aliases)
-        return JSONResponse(model_card(info).model_dump())
+        check_model(model_id, info, model_aliases, adapters.all(info))
+        base = model_card(info)
+        card = next((c for c in adapters.cards(info, base) if c.id == model_id), base)
+        return JSONResponse(card.model_dump())
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -16,6 +16,7 @@ class ModelCard(_Out):
     created: int = Field(default_factory=now_s)
     owned_by: str = "iterserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 

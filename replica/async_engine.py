@@ -29,6 +29,7 @@ from iterserve.replica.errors import (
     RequestFailedError,
 )
 from iterserve.replica.llm_engine import LLMEngine
+from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.stats import (
@@ -87,12 +88,17 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream output deltas of every child; raises before yielding on bad input."""
+        """Stream output deltas of every child; raises before yielding on bad input.
+        `lora_request`: its adapter, read first (off the engine thread) if not yet served."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._draining:
             raise EngineDrainingError("the engine is draining and admits no new requests")
+        if lora_request is not None and lora_request.name not in self.engine.list_loras():
+            await self.load_lora(lora_request.name, lora_request.path)
+        lora_name = lora_request.name if lora_request is not None else None
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
         # Arrival is now, not when the engine thread runs the add command: a busy loop
         # takes it only after its current step, and that wait is part of the TTFT.
@@ -104,7 +110,7 @@ class AsyncLLMEngine:
             if bound is not None and waiting >= bound:
                 raise QueueFullError(waiting)
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority,
-                               arrival_time=arrival)
+                               arrival_time=arrival, lora_name=lora_name)
             self._streams[request_id] = stream
 
         try:
@@ -129,6 +135,16 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self._submit(lambda engine: self._abort(engine, request_id))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter in `path` as `name`: read and checked in a worker thread, so the
+        engine's running batch goes on (LoRALoadError names what is wrong)."""
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving `name`, on the engine thread (AdapterInUseError while requests use
+        it, UnknownAdapterError if not served)."""
+        await self.call(lambda engine: engine.remove_lora(name))
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda engine: self._abort(engine, request_id)))

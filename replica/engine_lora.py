@@ -17,6 +17,10 @@ from iterserve.replica.runner_base import Runner
 from iterserve.replica.scheduler import Scheduler
 
 
+class AdapterInUseError(RuntimeError):
+    """An unload of an adapter that running or waiting requests still use."""
+
+
 class LoRADisabledError(ValueError):
     """A LoRA operation on an engine started without enable_lora."""
 
@@ -38,6 +42,22 @@ class EngineLoRA:
         """Read, check and serve the adapter in `path` as model `name` (LoRALoadError names
         what is wrong with it). Runs in the caller's thread: the running batch goes on."""
         self._lora_manager().register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving `name`: UnknownAdapterError if not served, AdapterInUseError while
+        requests use it."""
+        manager = self._lora_manager()
+        held = [r for children in self.pending_children.values() for r in children]
+        held += [r for _, children in self.constrained.held.values() for r in children]
+        users = sum(1 for r in [*self.scheduler.unfinished_requests(), *held]
+                    if r.lora_name == name)
+        if users:
+            raise AdapterInUseError(f"adapter {name!r} is used by {users} unfinished "
+                                    "request(s); unload it once they finish")
+        manager.unregister(name)
+
+    def list_loras(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
 
     def check_lora_name(self, name: str | None) -> None:
         """Raise UnknownAdapterError unless `name` is None or a served adapter."""

@@ -37,6 +37,16 @@ _REFUSED_FEATURES = {"use_dora": False, "fan_in_fan_out": False, "rank_pattern":
                      "alpha_pattern": {}, "modules_to_save": None, "layers_to_transform": None}
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request's adapter as it travels to a replica (vLLM's LoRARequest): its model name
+    and its folder, so a replica that does not serve it yet (started after the adapter was
+    loaded, or restarted) reads it from there before admitting the request."""
+
+    name: str
+    path: str
+
+
 class LoRALoadError(ValueError):
     """An adapter that cannot be served, and why (the API answers it with a 400)."""
 

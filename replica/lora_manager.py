@@ -68,6 +68,14 @@ class LoRAManager:
                     self._slots[slot] = None
         return adapter
 
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            if name not in self._paths:
+                raise UnknownAdapterError(name)
+            del self._paths[name]
+            self._host.pop(name, None)
+            self._slots = [None if held == name else held for held in self._slots]
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._paths)
