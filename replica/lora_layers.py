@@ -33,9 +33,39 @@ class LoRABatch:
 
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     order: torch.Tensor | None = None  # [N] int64 flat row indices
+    # For the SGMV kernels (with_segments): the adapter rows grouped by slot, and per
+    # segment [3, S] its start in `rows`, its length and its slot; `longest` segment's length.
+    with_segments: bool = False
+    rows: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    longest: int = 0
 
     def assign(self, token_slots: list[int], device: torch.device) -> None:
         """Set the step from each flat row's slot (-1: the base model alone)."""
+        self._group(token_slots, device)
+        if self.with_segments:
+            self._segments(device)
+
+    def _segments(self, device: torch.device) -> None:
+        if self.order is not None:
+            rows = self.order
+            bounds = [(slot, start, end) for slot, start, end in self.runs]
+        else:
+            rows = torch.cat([torch.arange(start, end) for _, start, end in self.runs]
+                             or [torch.zeros(0, dtype=torch.int64)]).to(device)
+            offsets = [0]
+            for _, start, end in self.runs:
+                offsets.append(offsets[-1] + end - start)
+            bounds = [(slot, offsets[i], offsets[i + 1])
+                      for i, (slot, _, _) in enumerate(self.runs)]
+        self.rows = rows
+        self.segments = torch.tensor([[start for _, start, _ in bounds],
+                                      [end - start for _, start, end in bounds],
+                                      [slot for slot, _, _ in bounds]],
+                                     dtype=torch.int64).reshape(3, len(bounds)).to(device)
+        self.longest = max((end - start for _, start, end in bounds), default=0)
+
+    def _group(self, token_slots: list[int], device: torch.device) -> None:
         self.runs, self.order = [], None
         contiguous: list[tuple[int, int, int]] = []
         start = 0
@@ -65,6 +95,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.slices = slices
+        self.slice_bounds = [offset for offset, _ in slices] + [sum(size for _, size in slices)]
         self.max_rank = max_rank
         self.batch = batch
         weight = base.weight
@@ -93,6 +124,12 @@ class LoRALinear(nn.Module):
         batch = self.batch
         if not batch.runs:
             return out
+        if batch.with_segments:  # the GPU: one shrink and one expand launch for every adapter
+            from iterserve.kernels.lora_sgmv import lora_expand, lora_shrink
+
+            hidden = lora_shrink(x, self.shrink, batch.rows, batch.segments, batch.longest)
+            return lora_expand(hidden, self.expand, out, batch.rows, batch.segments,
+                               batch.longest, self.slice_bounds)
         if batch.order is None:
             for slot, start, end in batch.runs:
                 self._add_lora(out[start:end], x[start:end], slot)

@@ -46,9 +46,10 @@ class LoRAManager:
         self.model_config = model_config
         self.max_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.batch = LoRABatch()
-        self.layers = _wrap_linears(model, model_config, max_loras, max_lora_rank, self.batch)
         self._device = next(model.parameters()).device
+        # CUDA runs the SGMV kernels (kernels/lora_sgmv.py); the CPU the grouped torch path.
+        self.batch = LoRABatch(with_segments=self._device.type == "cuda")
+        self.layers = _wrap_linears(model, model_config, max_loras, max_lora_rank, self.batch)
         self._paths: dict[str, str] = {}  # every registered adapter -> its folder
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, oldest first
         self._slots: list[str | None] = [None] * max_loras
