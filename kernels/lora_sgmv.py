@@ -8,7 +8,8 @@ once per tile of its rows, and rows of different adapters share one launch.
 
 shrink: hidden[row, :] = x[row, :] @ shrink[slot].T       shrink: [slots, N, K]
 expand: out[row, off_i:off_i+size_i] += hidden[row, i*R:(i+1)*R] @ expand[slot, off_i:.., :R].T
-for each output slice i (q, k, v of a fused qkv; gate, up), expand: [slots, out, R]. Each
+for each output slice i (q, k, v of a fused qkv; gate, up), expand: [slots, out, R] (any
+strides: LoRALinear keeps it as a view of [slots, R, out], the CPU bmm's layout). Each
 (row, column) of `out` is written by exactly one program, so the add needs no atomics.
 Accumulation is fp32 whatever the dtype.
 """
@@ -69,7 +70,8 @@ def lora_expand_kernel(
     seg_start_ptr: tl.tensor, seg_len_ptr: tl.tensor, seg_slot_ptr: tl.tensor,
     slice_offsets_ptr: tl.tensor,  # [n_slices + 1] int64: each slice's first output column
     rank: tl.tensor, blocks_per_slice: tl.tensor,
-    stride_h: tl.tensor, stride_ws: tl.tensor, stride_wo: tl.tensor, stride_out: tl.tensor,
+    stride_h: tl.tensor, stride_ws: tl.tensor, stride_wo: tl.tensor, stride_wr: tl.tensor,
+    stride_out: tl.tensor,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ) -> None:
     seg = tl.program_id(0)
@@ -94,7 +96,8 @@ def lora_expand_kernel(
         r_mask = offs_r < rank
         h = tl.load(h_ptr + rows[:, None] * stride_h + part * rank + offs_r[None, :],
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wo + offs_r[:, None],
+        w = tl.load(w_ptr + slot * stride_ws + offs_n[None, :] * stride_wo
+                    + offs_r[:, None] * stride_wr,
                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         acc += tl.dot(h, w.to(tl.float32))
     mask = m_mask[:, None] & n_mask[None, :]
@@ -141,6 +144,7 @@ def lora_expand(hidden: torch.Tensor, expand: torch.Tensor, out: torch.Tensor,
             triton.cdiv(max_seg_len, BLOCK_M))
     lora_expand_kernel[grid](
         hidden, expand, out, rows, segments[0], segments[1], segments[2], offsets, rank,
-        blocks_per_slice, hidden.stride(0), expand.stride(0), expand.stride(1), out.stride(0),
+        blocks_per_slice, hidden.stride(0), expand.stride(0), expand.stride(1), expand.stride(2),
+        out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r)
     return out

@@ -48,7 +48,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self._device = next(model.parameters()).device
         # CUDA runs the SGMV kernels (kernels/lora_sgmv.py); the CPU the grouped torch path.
-        self.batch = LoRABatch(with_segments=self._device.type == "cuda")
+        self.batch = LoRABatch(with_segments=self._device.type == "cuda", num_slots=max_loras)
         self.layers = _wrap_linears(model, model_config, max_loras, max_lora_rank, self.batch)
         self._paths: dict[str, str] = {}  # every registered adapter -> its folder
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, oldest first

@@ -68,7 +68,7 @@ def test_single_slice_projection_and_no_segments() -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(5, 40, generator=gen)
     shrink = torch.randn(2, 8, 40, generator=gen)
-    expand = torch.randn(2, 24, 8, generator=gen)
+    expand = torch.randn(2, 8, 24, generator=gen).transpose(1, 2)  # LoRALinear's layout
     slots = [1, 0, 1, -1, 0]
     rows, segments, longest = segments_of(slots)
     out = lora_expand(lora_shrink(x, shrink, rows, segments, longest), expand,

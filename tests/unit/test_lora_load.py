@@ -1,5 +1,4 @@
-"""Adapters that cannot be served are refused at load, naming the problem; the step's
-rows -> slots plan (LoRABatch) groups rows by slot."""
+"""Adapters that cannot be served are refused at load, naming the problem."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from safetensors.torch import save_file
 
 from iterserve.replica.loader import read_model_config
 from iterserve.replica.lora_adapter import LoRALoadError, load_lora_adapter
-from iterserve.replica.lora_layers import LoRABatch
 from iterserve.replica.make_model import write_model
 from iterserve.replica.models.config import ModelConfig
 
@@ -76,22 +74,3 @@ def test_missing_and_malformed_files(tmp_path: Path, cfg: ModelConfig) -> None:
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(LoRALoadError, match="cannot be read"):
         load_lora_adapter("x", tmp_path, cfg, max_rank=16)
-
-
-def test_batch_runs_without_gather_when_slots_are_contiguous() -> None:
-    batch = LoRABatch()
-    batch.assign([-1, 2, 2, 0, 0, 0, -1], torch.device("cpu"))
-    assert batch.runs == [(2, 1, 3), (0, 3, 6)] and batch.order is None
-
-
-def test_batch_sorts_interleaved_rows_by_slot() -> None:
-    batch = LoRABatch()
-    batch.assign([1, -1, 0, 1, 0], torch.device("cpu"))
-    assert batch.order.tolist() == [2, 4, 0, 3]
-    assert batch.runs == [(0, 0, 2), (1, 2, 4)]
-
-
-def test_batch_without_adapters_has_no_runs() -> None:
-    batch = LoRABatch()
-    batch.assign([-1, -1, -1], torch.device("cpu"))
-    assert batch.runs == [] and batch.order is None
