@@ -106,6 +106,13 @@ class RouterConfig(BaseModel):
         "multi-tenant, 3 ahead on multi-tenant; 1-2 lose sessions to the balance, 8-16 "
         "pile tenants up).",
     )
+    lora_affinity_slack: float = Field(
+        1.0, ge=0.0,
+        description="A request for a LoRA adapter goes to the best-ranked replica holding "
+        "it while that replica's waiting requests exceed the leader's by at most this many; "
+        "beyond, load wins and the leader reads the adapter, so a hot adapter spreads "
+        "(autoscale/lora_affinity.py).",
+    )
     drain_inflight_prefill: bool = Field(
         True,
         description="Count the prefill queued at a replica as the prompt tokens it reported "

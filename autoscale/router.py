@@ -19,7 +19,10 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
   1. kwargs["params"] / kwargs["sampling_params"] with a `max_tokens` attribute or key
   2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
   3. args[0]["max_tokens"] / args[0].max_tokens
-Missing: only the prompt counts. Nothing else in the request is read.
+Missing: only the prompt counts. And its LoRA adapter (kwargs["lora_request"] or args[4],
+an object with a `name`): its prefix is looked up in the adapter's cache namespace, and a
+replica holding the adapter is preferred under a load guard (autoscale/lora_affinity.py).
+Nothing else in the request is read.
 
 Which replica holds the prompt's prefix: the replicas' routing stats carry the stable hashes
 of the blocks their prefix caches can hit (deploy/llm_replica.py, replica/block_hashes.py); the
@@ -54,6 +57,7 @@ from ray.serve.request_router import (
 )
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.lora_affinity import prefer_adapter_holders, request_adapter
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
@@ -61,6 +65,7 @@ from iterserve.autoscale.router_sync import RayHub, RouterSync, hub_name
 from iterserve.autoscale.shuffle import shuffle
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
+from iterserve.replica.block_keys import cache_namespace
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
 # Requests chosen for but not yet routed whose cache answers are kept (Serve routes a
@@ -160,10 +165,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         return token_ids, key, footprint
 
     def _cached_tokens(self, token_ids: list[int] | None, replica_ids: Sequence[ReplicaID],
-                       loads: Sequence[ReplicaLoad | None]) -> dict[ReplicaID, int] | None:
+                       loads: Sequence[ReplicaLoad | None], adapter: str | None
+                       ) -> dict[ReplicaID, int] | None:
         if token_ids is None or not self.config.use_replica_cache_reports:
             return None
-        return cached_prefix_tokens(token_ids, replica_ids, loads)
+        # An adapter's blocks live in its own cache namespace on the replicas: hash it in.
+        return cached_prefix_tokens(token_ids, replica_ids, loads,
+                                    cache_namespace(adapter=adapter))
 
     def _remember_hits(self, request_id: str, hits: dict[ReplicaID, int]) -> None:
         self._hits.pop(request_id, None)  # re-inserted last: the newest
@@ -188,10 +196,14 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in shuffled}
         loads = self._loads(shuffled)
         token_ids, key, num_tokens = self._prompt(pending_request)
+        adapter = (request_adapter(pending_request.args, pending_request.kwargs)
+                   if pending_request is not None else None)
         replica_ids = [r.replica_id for r in shuffled]
-        cached = self._cached_tokens(token_ids, replica_ids, loads)
+        cached = self._cached_tokens(token_ids, replica_ids, loads, adapter)
         ranked = self._core.rank(replica_ids, loads, key, num_tokens, time.time(),
                                  prompt_tokens=len(token_ids or ()), cached_tokens=cached)
+        ranked = prefer_adapter_holders(ranked, dict(zip(replica_ids, loads, strict=True)),
+                                        adapter, self.config.lora_affinity_slack)
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
         if pending_request is not None:

@@ -64,6 +64,9 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     cached_block_hashes: frozenset[int] | None = None
     block_size: int = 0  # tokens per block of cached_block_hashes (0: none reported)
+    # The LoRA adapters it holds read (their model names): a request for one of them needs
+    # no load there (autoscale/lora_affinity.py).
+    lora_adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
@@ -104,6 +107,10 @@ class ReplicaLoad:
             return replace(self, cached_block_hashes=None, block_size=0)
         return replace(self, cached_block_hashes=frozenset(hashes), block_size=block_size)
 
+    def with_adapters(self, names: Iterable[str]) -> ReplicaLoad:
+        """This load with the LoRA adapters the replica holds."""
+        return replace(self, lora_adapters=frozenset(names))
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaLoad:
         """Parse what record_routing_stats returned; raises ValueError if malformed."""
@@ -126,6 +133,7 @@ class ReplicaLoad:
                 prefill_token_rate=float(data.get("prefill_token_rate", 0.0)),
                 queued_prefill_tokens=int(float(data.get("queued_prefill_tokens", 0))),
                 **_cached_blocks_of(data),
+                lora_adapters=_adapters_of(data),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc
@@ -140,10 +148,10 @@ class ReplicaLoad:
         except ValueError:
             return None
 
-    def to_dict(self) -> dict[str, float | list[int]]:
+    def to_dict(self) -> dict[str, float | list[int] | list[str]]:
         """The return value of `record_routing_stats()`; `from_dict` reads it. Numbers, plus
-        the cached block hashes as a list of ints when reported."""
-        data: dict[str, float | list[int]] = {
+        the cached block hashes as a list of ints when reported, and the adapters held."""
+        data: dict[str, float | list[int] | list[str]] = {
             f.name: float(getattr(self, f.name)) for f in fields(self)
             if f.name not in _NOT_PLAIN_NUMBERS}
         data["max_waiting_requests"] = float(
@@ -152,6 +160,8 @@ class ReplicaLoad:
         if self.cached_block_hashes is not None:
             data["cached_block_hashes"] = list(self.cached_block_hashes)
             data["block_size"] = float(self.block_size)
+        if self.lora_adapters:
+            data["lora_adapters"] = sorted(self.lora_adapters)
         return data
 
     def to_autoscaling_metrics(self) -> dict[str, float]:
@@ -164,7 +174,16 @@ class ReplicaLoad:
         }
 
 
-_NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size")
+_NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size",
+                      "lora_adapters")
+
+
+def _adapters_of(data: Mapping[str, Any]) -> frozenset[str]:
+    names = data.get("lora_adapters") or ()
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(
+            isinstance(n, str) for n in names):
+        raise ValueError("lora_adapters must be a list of names")
+    return frozenset(names)
 
 
 def _cached_blocks_of(data: Mapping[str, Any]) -> dict[str, Any]:

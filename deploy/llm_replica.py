@@ -192,7 +192,7 @@ class LLMReplica:
         the engine thread: the engine CPU time per step its simulated GPU waited for."""
         return await self.engine.call(_device_idle_report)
 
-    async def record_routing_stats(self) -> dict[str, float | list[int]]:
+    async def record_routing_stats(self) -> dict[str, float | list[int] | list[str]]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
         load = self._load()
         try:
@@ -210,7 +210,8 @@ class LLMReplica:
         return self._load().to_autoscaling_metrics()
 
     def _load(self) -> ReplicaLoad:
-        return ReplicaLoad.from_engine_stats(self.engine.stats(), self._admits_nothing)
+        load = ReplicaLoad.from_engine_stats(self.engine.stats(), self._admits_nothing)
+        return load.with_adapters(self.engine.list_loras())
 
     @property
     def _admits_nothing(self) -> bool:

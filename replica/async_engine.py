@@ -96,7 +96,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._draining:
             raise EngineDrainingError("the engine is draining and admits no new requests")
-        if lora_request is not None and lora_request.name not in self.engine.list_loras():
+        if lora_request is not None and lora_request.name not in self.list_loras():
             await self.load_lora(lora_request.name, lora_request.path)
         lora_name = lora_request.name if lora_request is not None else None
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
@@ -135,6 +135,10 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self._submit(lambda engine: self._abort(engine, request_id))
+
+    def list_loras(self) -> list[str]:
+        """The adapters the engine serves (thread-safe: read under the manager's lock)."""
+        return self.engine.list_loras()
 
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the adapter in `path` as `name`: read and checked in a worker thread, so the

@@ -1,0 +1,91 @@
+"""LoRA-aware routing: replicas report the adapters they hold, the router prefers a holder
+under a load guard (a hot adapter spreads), and an adapter's prefix is looked up in its own
+cache namespace. Pure functions first, then the real KVAwareRouter with fake replicas (the
+harness of test_router_cache_reports)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from block_hash_oracle import prompt_block_hashes
+from test_router_cache_reports import BLOCK, _FakeReplica, _router
+
+from iterserve.autoscale.lora_affinity import prefer_adapter_holders, request_adapter
+from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.replica.block_keys import cache_namespace
+from iterserve.replica.lora_adapter import LoRARequest
+
+PROMPT = list(range(2000, 2000 + 8 * BLOCK + 3))
+
+
+def load(waiting: int = 0, adapters: tuple[str, ...] = (), draining: bool = False,
+         hashes: list[int] | None = None) -> ReplicaLoad:
+    plain = ReplicaLoad(kv_usage=0.1, num_waiting=waiting, num_running=1, num_free_blocks=900,
+                        num_total_blocks=1000, step_token_rate=0.0, timestamp=time.time(),
+                        draining=draining)
+    return plain.with_adapters(adapters).with_cached_blocks(hashes, BLOCK)
+
+
+def test_the_adapters_held_travel_in_the_routing_stats() -> None:
+    sent = load(adapters=("b", "a")).to_dict()
+    assert sent["lora_adapters"] == ["a", "b"]
+    assert ReplicaLoad.from_dict(sent).lora_adapters == {"a", "b"}
+    assert "lora_adapters" not in load().to_dict()  # nothing held: nothing sent
+
+
+def test_the_request_names_its_adapter_positionally_or_by_keyword() -> None:
+    lora = LoRARequest("sql", "/adapters/sql")
+    assert request_adapter([[1, 2], None, "r", 0, lora], {}) == "sql"
+    assert request_adapter([[1, 2]], {"lora_request": lora}) == "sql"
+    assert request_adapter([[1, 2], None, "r", 0, None], {}) is None
+
+
+def test_a_holder_within_the_slack_goes_first() -> None:
+    loads = {"x": load(0), "y": load(1, ("sql",)), "z": load(0, ("sql",))}
+    assert prefer_adapter_holders(["x", "y", "z"], loads, "sql", 1.0) == ["y", "x", "z"]
+    assert prefer_adapter_holders(["x", "y", "z"], loads, None, 1.0) == ["x", "y", "z"]
+
+
+def test_a_busy_holder_loses_to_load_so_a_hot_adapter_spreads() -> None:
+    loads = {"x": load(0), "y": load(3, ("sql",))}
+    assert prefer_adapter_holders(["x", "y"], loads, "sql", 1.0) == ["x", "y"]
+
+
+def test_a_draining_holder_is_passed_over() -> None:
+    loads = {"x": load(0), "y": load(0, ("sql",), draining=True), "z": load(0, ("sql",))}
+    assert prefer_adapter_holders(["x", "y", "z"], loads, "sql", 1.0)[0] == "z"
+
+
+def _pending(args: list, rid: str):  # noqa: ANN202 - a PendingRequest
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    meta = RequestMetadata(request_id=rid, internal_request_id=rid)
+    return PendingRequest(args=args, kwargs={}, metadata=meta, future=None)
+
+
+def _first(router, replicas: list[_FakeReplica], args: list, n: int = 20) -> set[str]:  # noqa: ANN001
+    return {asyncio.run(router.choose_replicas(replicas, _pending(args, f"q{i}")))[0][0]
+            .replica_id.unique_id for i in range(n)}
+
+
+def test_the_router_sends_an_adapter_request_to_its_holder() -> None:
+    router = _router()
+    replicas = [_FakeReplica("holder", load(0, ("sql",)).to_dict()),
+                _FakeReplica("other", load(0).to_dict())]
+    lora = LoRARequest("sql", "/adapters/sql")
+    assert _first(router, replicas, [PROMPT, None, "r", 0, lora]) == {"holder"}
+    assert _first(router, replicas, [PROMPT]) == {"holder", "other"}  # base: the shuffle
+
+
+def test_an_adapter_prefix_is_matched_only_in_its_namespace() -> None:
+    router = _router()
+    base_blocks = prompt_block_hashes(PROMPT, BLOCK)
+    replicas = [_FakeReplica("base_cache", load(hashes=base_blocks).to_dict()),
+                _FakeReplica("other", load().to_dict())]
+    lora = LoRARequest("sql", "/adapters/sql")
+    # the base prompt's blocks draw a base request, never the adapter's
+    assert _first(router, replicas, [PROMPT]) == {"base_cache"}
+    assert _first(router, replicas, [PROMPT, None, "r", 0, lora]) == {"base_cache", "other"}
+    assert cache_namespace(adapter="sql") != b""
