@@ -142,3 +142,32 @@ def test_runtime_routes_are_off_without_a_root(folders: dict[str, Path]) -> None
                              json={"lora_name": "qv", "lora_path": str(folders["root"] / "qv")})
         assert answer.status_code == 404 and "--runtime-lora-root" in answer.text
     engine.shutdown()
+
+
+def test_an_engine_without_the_adapter_reads_it_from_the_request(
+        folders: dict[str, Path]) -> None:
+    """A replica started after a runtime load (or restarted) gets the adapter's folder with
+    the request, reads it, then serves it: the same tokens as an engine that had it."""
+    import asyncio
+
+    from iterserve.replica.lora_adapter import LoRARequest
+
+    config = EngineConfig.from_kwargs(model=str(folders["base"]), dtype="float32",
+                                      enable_lora=True, max_lora_rank=8)
+    engine = AsyncLLMEngine(config)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    lora = LoRARequest("late", str(folders["root"] / "qv"))
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(PROMPT, greedy, "late-1", lora_request=lora):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    assert engine.list_loras() == []
+    got = asyncio.run(run())
+    assert engine.list_loras() == ["late"]
+    engine.shutdown()
+    offline = LLM(str(folders["base"]), dtype="float32", enable_lora=True, max_lora_rank=8,
+                  lora_modules=f"qv={folders['root'] / 'qv'}")
+    assert got == offline.generate([PROMPT], greedy, lora_name="qv")[0].outputs[0].token_ids

@@ -2,7 +2,8 @@
 
 One process, the built-in SmolLM2-135M (fp32, oneDNN linears), one engine with
 `enable_lora` (max_loras 16, max_lora_rank 16) and one without, both warmed. Each arm runs
-the same 32 prompts at once (batch 32) to 64 generated tokens; arms alternate round by round.
+the same 32 prompts at once (batch 32: 16 prompt tokens each, 32 generated); arms alternate
+round by round, each round starting one arm later.
 Arms: `plain` (the engine without LoRA), `base` (the LoRA engine, no request names an
 adapter: must cost nothing), `lora1`, `lora4`, `lora16` (request i uses adapter i % k).
 Adapters: PEFT folders written here with seeded random A and B, rank 16, on all seven
@@ -155,8 +156,10 @@ def main() -> None:
                    for _ in range(BATCH)]
         run_arm(plain_engine, prompts[:4], [None] * 4)  # warm both, every adapter in a slot
         run_arm(lora_engine, prompts[:16], names)
+        arms = list(ARMS.items())
         for round_index in range(args.rounds):
-            for arm_index, (arm, k) in enumerate(ARMS.items()):
+            shift = round_index % len(arms)  # each round starts with the next arm: drift spreads
+            for arm_index, (arm, k) in enumerate(arms[shift:] + arms[:shift]):
                 eng = plain_engine if arm == "plain" else lora_engine
                 adapters = [names[i % k] if k else None for i in range(BATCH)]
                 # fresh prompts each round: the prefix cache must not serve a repeat
