@@ -52,7 +52,7 @@ class LoRABatch:
             return
         self.padded = None
         if self.runs and should_pad(self.runs, self.num_slots):
-            self.padded = PaddedRows.of(token_slots, self.num_slots, device)
+            self.padded = PaddedRows.of(token_slots, device)
 
     def _segments(self, device: torch.device) -> None:
         if self.order is not None:
@@ -95,36 +95,41 @@ class LoRABatch:
 
 
 def should_pad(runs: list[tuple[int, int, int]], num_slots: int) -> bool:
-    """Whether one bmm over every slot's padded rows beats a loop over the runs: a run costs
+    """Whether one bmm over the slots' padded rows beats a loop over the runs: a run costs
     1 + n_slices small matmuls, each ~10-30 us of dispatch on CPU whatever its size, while the
-    grid computes num_slots * M rows whatever their use. Measured (loadtests/studies/
-    multi_lora): 16 adapters x 2 rows favour the grid; 1 adapter x 32 rows the loop."""
+    grid computes (highest slot used + 1) * M rows and reads those slots' weights whatever
+    their use. Measured (loadtests/studies/multi_lora): 16 adapters x 2 rows favour the grid;
+    1 adapter x 32 rows the loop."""
     if len(runs) < 3 or num_slots == 0:  # 0: a batch built without slots (the loop only)
         return False
     rows = sum(end - start for _, start, end in runs)
     longest = max(end - start for _, start, end in runs)
-    return num_slots * longest <= 4 * rows
+    width = max(slot for slot, _, _ in runs) + 1
+    return width * longest <= 4 * rows
 
 
 @dataclass
 class PaddedRows:
-    """The adapter rows in a [slots, M] grid: `index` [slots * M] the flat row of each cell
-    (padding cells read row 0, their results dropped), `cells` [N] the grid cell of each
-    adapter row and `rows` [N] its flat row."""
+    """The adapter rows in a [width, M] grid over slots 0..width-1 (the slot manager fills the
+    lowest free slots first, so the used ones sit low): `index` [width * M] the flat row of
+    each cell (padding cells read row 0, their results dropped), `cells` [N] the grid cell of
+    each adapter row and `rows` [N] its flat row."""
 
     index: torch.Tensor
     cells: torch.Tensor
     rows: torch.Tensor
     depth: int  # M
+    width: int  # highest slot used + 1
 
     @staticmethod
-    def of(token_slots: list[int], num_slots: int, device: torch.device) -> PaddedRows:
-        per_slot: list[list[int]] = [[] for _ in range(num_slots)]
+    def of(token_slots: list[int], device: torch.device) -> PaddedRows:
+        width = max(token_slots) + 1
+        per_slot: list[list[int]] = [[] for _ in range(width)]
         for row, slot in enumerate(token_slots):
             if slot >= 0:
                 per_slot[slot].append(row)
         depth = max(map(len, per_slot))
-        index = [0] * (num_slots * depth)
+        index = [0] * (width * depth)
         cells, rows = [], []
         for slot, slot_rows in enumerate(per_slot):
             for i, row in enumerate(slot_rows):
@@ -135,7 +140,7 @@ class PaddedRows:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        return PaddedRows(tensor(index), tensor(cells), tensor(rows), depth)
+        return PaddedRows(tensor(index), tensor(cells), tensor(rows), depth, width)
 
 
 class LoRALinear(nn.Module):
@@ -200,11 +205,11 @@ class LoRALinear(nn.Module):
                          ) -> torch.Tensor:
         """out += each row's adapter, every slot at once: one bmm for the shrink, one per
         slice for the expand, over the [slots, M] grid of rows."""
-        rank, slots = self.max_rank, self.shrink.shape[0]
+        rank, slots = self.max_rank, grid.width
         cells = x.index_select(0, grid.index).view(slots, grid.depth, x.shape[1])
-        hidden = torch.bmm(cells, self.shrink.transpose(1, 2))  # [slots, M, n_slices * R]
+        hidden = torch.bmm(cells, self.shrink[:slots].transpose(1, 2))  # [slots, M, n*R]
         parts = [torch.bmm(hidden[:, :, i * rank:(i + 1) * rank],
-                           self.expand[:, offset:offset + size].transpose(1, 2))
+                           self.expand[:slots, offset:offset + size].transpose(1, 2))
                  for i, (offset, size) in enumerate(self.slices)]  # [slots, M, size] each
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         delta = delta.view(slots * grid.depth, -1).index_select(0, grid.cells)

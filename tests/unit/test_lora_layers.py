@@ -36,7 +36,8 @@ def test_padding_only_pays_for_many_adapters_with_few_rows_each() -> None:
     sixteen_by_two = [(s, 2 * s, 2 * s + 2) for s in range(16)]
     assert should_pad(sixteen_by_two, num_slots=16)
     assert not should_pad([(0, 0, 32)], num_slots=16)  # one adapter: a loop of one
-    assert not should_pad([(0, 0, 30), (1, 30, 31), (2, 31, 32)], num_slots=16)  # mostly pad
+    assert not should_pad([(0, 0, 30), (9, 30, 31), (15, 31, 32)], num_slots=16)  # mostly pad
+    assert should_pad([(0, 0, 30), (1, 30, 31), (2, 31, 32)], num_slots=16)  # 3 slots x 30
 
 
 @pytest.mark.parametrize(("slots", "path"), [
