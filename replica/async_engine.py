@@ -98,6 +98,9 @@ class AsyncLLMEngine:
             raise EngineDrainingError("the engine is draining and admits no new requests")
         if lora_request is not None and lora_request.name not in self.list_loras():
             await self.load_lora(lora_request.name, lora_request.path)
+        elif lora_request is not None and self.engine.lora is not None:
+            # evicted from host memory by the LRU: read it here, not in the engine's step
+            await asyncio.to_thread(self.engine.lora.hold, lora_request.name)
         lora_name = lora_request.name if lora_request is not None else None
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
         # Arrival is now, not when the engine thread runs the add command: a busy loop

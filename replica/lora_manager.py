@@ -77,6 +77,18 @@ class LoRAManager:
             self._host.pop(name, None)
             self._slots = [None if held == name else held for held in self._slots]
 
+    def hold(self, name: str) -> None:
+        """Read `name` back into host memory if the LRU evicted it (call off the engine
+        thread: the step then only copies it into a slot)."""
+        with self._lock:
+            path = self._paths.get(name)
+            if path is None or name in self._host:
+                return
+        adapter = load_lora_adapter(name, path, self.model_config, self.max_rank)
+        with self._lock:
+            if name in self._paths:
+                self._hold(adapter)
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._paths)

@@ -119,3 +119,15 @@ def test_more_adapters_than_slots_take_turns(setup: tuple[Path, dict[str, Path]]
     alone = [small.generate([p], GREEDY, lora_name=n)[0].outputs[0].token_ids
              for p, n in zip(prompts, names, strict=True)]
     assert mixed == alone  # an adapter evicted from host memory is read again, same tokens
+
+
+def test_an_adapter_evicted_from_host_memory_is_read_back_off_the_step(
+        setup: tuple[Path, dict[str, Path]]) -> None:
+    base, adapters = setup
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    small = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
+                lora_modules=modules, max_lora_rank=8)
+    manager = small.engine.lora
+    assert list(manager._host) == ["mlp_o"]  # the last registered: the LRU holds one
+    manager.hold("qv")
+    assert list(manager._host) == ["qv"]
