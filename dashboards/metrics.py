@@ -84,6 +84,8 @@ LABEL_OUTCOME = "outcome"
 LABEL_STAGE = "stage"  # a replica's start-up stage (replica/startup.py STAGES)
 # vLLM's label on its KV offloading metrics: "GPU_to_CPU" (stores), "CPU_to_GPU" (loads).
 LABEL_TRANSFER_TYPE = "transfer_type"
+# vLLM's lora_requests_info labels: the adapters as comma-joined names
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")  # replica/host_kv_tier.py's, without torch
 # A router sync exchange: done; done but some peer events were dropped before this router
 # read them; or the hub could not be reached.
@@ -169,6 +171,10 @@ KV_OFFLOAD_TOTAL_TIME = _counter(
 REQUEST_SUCCESS = _counter(
     "request_success", "Count of finished requests by finish reason.",
     labels=(*_ENGINE_LABELS, LABEL_FINISHED_REASON))
+LORA_REQUESTS_INFO = _gauge(
+    "lora_requests_info", "Running stats on LoRA requests: the adapters of the running and "
+    "of the waiting requests as labels, the snapshot's time as the value (vLLM's).",
+    labels=(*_ENGINE_LABELS, *LORA_INFO_LABELS))
 ITERATION_TOKENS = _histogram(
     "iteration_tokens", "Histogram of tokens computed per engine step.", ITERATION_TOKEN_BUCKETS,
     vllm_key="iteration_tokens_total")
@@ -221,7 +227,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC, NUM_PREEMPTIONS,
     NUM_OUT_OF_BLOCKS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
     EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, KV_OFFLOAD_TOTAL_BYTES,
-    KV_OFFLOAD_TOTAL_TIME, REQUEST_SUCCESS, ITERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
+    KV_OFFLOAD_TOTAL_TIME, REQUEST_SUCCESS, LORA_REQUESTS_INFO, ITERATION_TOKENS,
+    TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME,
     REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
     REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED,
@@ -347,6 +354,11 @@ class PrometheusStatLogger:
         self._last_prefix_hits = self._inc_cumulative(
             PREFIX_CACHE_HITS, engine.prefix_cache_hits, self._last_prefix_hits)
         self._record_host_tier(engine)
+        if engine.max_loras:
+            sink.gauge_set(LORA_REQUESTS_INFO, engine.timestamp, {
+                **labels, "max_lora": str(engine.max_loras),
+                "running_lora_adapters": ",".join(engine.running_lora_adapters),
+                "waiting_lora_adapters": ",".join(engine.waiting_lora_adapters)})
 
         if iteration.num_prompt_tokens:
             sink.counter_inc(PROMPT_TOKENS, iteration.num_prompt_tokens, labels)

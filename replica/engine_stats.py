@@ -97,7 +97,18 @@ class EngineStatsReporting:
             kv_offload_seconds=dict(self._host_tier.copy_seconds) if self._host_tier else {},
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
             finished_by_reason=dict(self.finished_by_reason),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, object]:
+        """EngineStats' LoRA fields: the adapters running and waiting (none without LoRA)."""
+        max_loras = self.scheduler.max_loras
+        if not max_loras:
+            return {}
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name}
+        unfinished = {r.lora_name for r in self.scheduler.unfinished_requests() if r.lora_name}
+        return {"max_loras": max_loras, "running_lora_adapters": tuple(sorted(running)),
+                "waiting_lora_adapters": tuple(sorted(unfinished - running))}
 
     def _count_finished(self, request: Request, reason: str) -> None:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1

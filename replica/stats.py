@@ -49,6 +49,10 @@ class EngineStats:
     max_waiting_requests: int | None = None
     # cumulative requests ended per finish reason (each counted once, when it ends)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # LoRA (max_loras 0: off): the adapters of the running and of the waiting requests
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

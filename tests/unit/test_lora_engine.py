@@ -112,6 +112,9 @@ def test_more_adapters_than_slots_take_turns(setup: tuple[Path, dict[str, Path]]
 
     def running_adapters(engine: object) -> None:
         seen.append({r.lora_name for r in small.engine.scheduler.running if r.lora_name})
+        stats = small.engine.stats()  # what vllm:lora_requests_info reports
+        assert set(stats.running_lora_adapters) == seen[-1] and stats.max_loras == 2
+        assert not set(stats.waiting_lora_adapters) & seen[-1]
 
     mixed = [r.outputs[0].token_ids for r in small.generate(prompts, GREEDY, lora_name=names,
                                                             on_step=running_adapters)]

@@ -162,7 +162,8 @@ def test_unknown_backend_is_a_value_error() -> None:
 def _exposition(prefix: str) -> str:
     registry = CollectorRegistry()
     logger = m.PrometheusStatLogger("tiny", "r0", registry=registry, prefix=prefix)
-    logger.record(_engine(num_preemptions=1), _iteration(), [_finished()])
+    logger.record(_engine(num_preemptions=1, max_loras=2, running_lora_adapters=("a", "b"),
+                          waiting_lora_adapters=("c",)), _iteration(), [_finished()])
     logger.record_startup({"weights_place": {"seconds": 1.5, "bytes_copied": 2e9}})
     router = m.RouterMetrics("tiny", registry=registry, prefix=prefix)
     router.record_decision("r0")
@@ -208,7 +209,7 @@ logger = m.PrometheusStatLogger("tiny", sys.argv[1])
 engine = Record(num_running=int(sys.argv[2]), num_waiting=0, kv_usage=0.5, num_preemptions=0,
                 num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
                 host_cache_queries=0, host_cache_hits=0, kv_offload_bytes={},
-                kv_offload_seconds={})
+                kv_offload_seconds={}, max_loras=0)
 step = Record(num_prompt_tokens=30, num_generation_tokens=3, time_to_first_tokens_s=[0.1],
               inter_token_latencies_s=[])
 logger.record(engine, step, [])
@@ -237,3 +238,13 @@ def test_multiprocess_mode_merges_replica_processes(tmp_path, monkeypatch) -> No
     assert (running, "r2") not in samples, "a stopped replica's live gauges are dropped"
     assert samples[(m.metric_name(m.PROMPT_TOKENS), "r2")] == 30.0, "its counters stay"
     assert "foreign_process_metric" not in text
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
+    registry = CollectorRegistry()
+    logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)
+    logger.record(_engine(timestamp=123.0, max_loras=4, running_lora_adapters=("a", "b"),
+                          waiting_lora_adapters=("c",)), _iteration(), [])
+    labels = {"model_name": "tiny", "replica": "r0", "max_lora": "4",
+              "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
+    assert registry.get_sample_value(m.metric_name(m.LORA_REQUESTS_INFO), labels) == 123.0
