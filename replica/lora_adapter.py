@@ -61,10 +61,6 @@ class LoRAAdapter:
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(in_features, out_features) of an HF projection of this model."""
