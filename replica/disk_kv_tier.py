@@ -108,10 +108,10 @@ class DiskKVTier:
         """Wait until every queued write is done (tests, benchmarks, a clean shutdown)."""
         self._queue.join()
 
-    def close(self) -> None:
-        """Finish the queued writes and stop the writer."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the queued writes (waiting at most timeout_s) and stop the writer."""
         self._queue.put(None)
-        self._writer.join()
+        self._writer.join(timeout_s)
 
     def _write_loop(self) -> None:
         while True:

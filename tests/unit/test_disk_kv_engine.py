@@ -187,3 +187,32 @@ def test_a_full_disk_is_counted_and_the_blocks_are_computed(
     assert disk.counters()[2]["disk_full"] > 0 and len(disk) == 0
     assert engine.block_manager.disk_hits == 0
     assert cached[0] < PROMPT_BLOCKS * BLOCK  # the evicted prefixes were computed again
+
+
+def test_a_replica_shutting_down_lands_its_queued_writes(
+        model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncLLMEngine.shutdown (a Serve replica's end) waits for the disk tier's writer, so
+    the blocks it was given are on disk for the replica that starts next on the folder."""
+    import time
+
+    from iterserve.replica.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(EngineConfig.from_kwargs(
+        model=model_path, num_gpu_blocks_override=DEVICE_BLOCKS, block_size=BLOCK,
+        kv_offloading_size=HOST_GIB, kv_offloading_disk_path=str(tmp_path)))
+    disk = engine.engine.runner.disk_tier
+    real_write = disk.store.write
+
+    def slow_write(stable_hash: int, data: bytes) -> int:  # a slow disk: 20 ms a block
+        time.sleep(0.02)
+        return real_write(stable_hash, data)
+
+    monkeypatch.setattr(disk.store, "write", slow_write)
+    payload = bytes(BYTES_PER_BLOCK)
+    for stable in range(1, 9):  # queued now, written by the writer thread
+        disk.write_async(stable, payload)
+    engine.shutdown()
+    assert len(list(disk.store.directory.glob("*.kv"))) == 8  # not later: now
+    restarted = engine_at(model_path, tmp_path)
+    assert len(restarted.runner.disk_tier) == 8
+    assert restarted.runner.disk_tier.read(5) == payload
