@@ -9,11 +9,14 @@ from pathlib import Path
 
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
 from iterserve.replica.block_manager import BlockManager, host_hit
+from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.disk_kv_store import DiskKVStore, kv_layout_identity
 from iterserve.replica.disk_kv_tier import DiskKVTier
 from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.request import Request
 from iterserve.replica.sampling_params import SamplingParams
+from iterserve.replica.scheduler import Scheduler
+from iterserve.replica.scheduling_policy import SchedulingPolicy
 
 _ids = itertools.count()
 BLOCK = 4
@@ -98,3 +101,33 @@ def test_a_block_evicted_from_the_host_in_the_step_that_stored_it_spills_from_th
     assert all(spill.host_slot is None for spill in spills)
     manager.free(req)
     disk.close()
+
+
+class RefusingPolicy(SchedulingPolicy):
+    """fcfs, but no request fits: as when running requests that cannot be planned this step
+    (their tokens in flight under async scheduling) hold the blocks an admission needs."""
+
+    def fits(self, request: Request, num_new: int, hits: list[int], running: list[Request],
+             blocks: BlockManager) -> bool:
+        return False
+
+
+def test_an_empty_step_keeps_its_disk_reads_for_the_next_step(tmp_path: Path) -> None:
+    """A lookup reads a block from disk into a host slot even when its request is then not
+    admitted; if nothing else runs, the step is empty and (under async scheduling) never
+    reaches the runner. Its copies must wait, the slot pinned, for the next step: handed over
+    with the empty step, the slot would be announced as holding bytes never written."""
+    disk = DiskKVTier(DiskKVStore(tmp_path, kv_layout_identity("test")), 2**20, PAYLOAD)
+    host = HostKVIndex(2)
+    manager = BlockManager(4, BLOCK, True, host, disk)
+    prompt = list(range(100, 109))
+    for tokens in (prompt, list(range(500, 513)), list(range(900, 905))):
+        run_step(manager, disk, tokens)  # as above: b0 in the host, b1 on disk
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64), manager, policy=RefusingPolicy(64))
+    scheduler.add_request(request(prompt))
+    output = scheduler.schedule()
+    assert output.is_empty and output.kv_disk_loads == [] and output.kv_loads == []
+    (slot, data), = manager.kv_disk_loads  # still planned
+    assert data == payload_of(host.entry(slot).stable)
+    assert not host.can_store()  # both slots pinned: b0 (a hit) and the block read from disk
