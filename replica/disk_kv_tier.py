@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,7 @@ DISK_TRANSFER_TYPES = (HOST_TO_DISK, DISK_TO_HOST)
 DISK_ERRORS = ("corrupt", "read_failed", "disk_full", "write_failed", "dropped")
 GIB = 2**30
 MAX_PENDING_BYTES = 256 * 2**20  # queued writes, at most (more: dropped, counted)
+WRITER_NICENESS = 19  # the writer thread's nice value: the engine's step comes first
 
 
 class DiskKVTier:
@@ -114,6 +116,10 @@ class DiskKVTier:
         self._writer.join(timeout_s)
 
     def _write_loop(self) -> None:
+        try:  # the lowest CPU priority (Linux: per thread): writes take only idle CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError) as error:
+            logger.info("disk KV tier: writer priority left as it is (%s)", error)
         while True:
             item = self._queue.get()
             try:
