@@ -216,3 +216,38 @@ def test_a_replica_shutting_down_lands_its_queued_writes(
     restarted = engine_at(model_path, tmp_path)
     assert len(restarted.runner.disk_tier) == 8
     assert restarted.runner.disk_tier.read(5) == payload
+
+
+def test_cached_tokens_over_http_count_the_blocks_read_from_disk(model_path: str,
+                                                                 tmp_path: Path) -> None:
+    """usage.prompt_tokens_details.cached_tokens through the ingress's FastAPI app (in
+    process, no Ray) counts a prefix that came back from the disk tier."""
+    from fastapi.testclient import TestClient
+
+    from iterserve.deploy.engine_client import LocalEngineClient
+    from iterserve.deploy.server import IngressSettings, create_app
+    from iterserve.replica.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(EngineConfig.from_kwargs(
+        model=model_path, num_gpu_blocks_override=DEVICE_BLOCKS, block_size=BLOCK,
+        kv_offloading_size=HOST_GIB, kv_offloading_disk_path=str(tmp_path)))
+    rng = random.Random(3)
+    document = [rng.randrange(10, 4000) for _ in range(80)]  # 5 full blocks
+    fillers = [[rng.randrange(10, 4000) for _ in range(100)] for _ in range(4)]
+
+    def cached_tokens(http: TestClient, prompt: list[int]) -> int:
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                      "temperature": 0.0})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        with TestClient(create_app(LocalEngineClient(engine), IngressSettings())) as http:
+            assert cached_tokens(http, document + [1]) == 0
+            for filler in fillers:  # the document's blocks go through the host to disk
+                cached_tokens(http, filler)
+            engine.engine.runner.disk_tier.flush()
+            assert cached_tokens(http, document + [2, 3]) == 5 * BLOCK
+        assert engine.engine.block_manager.disk_hits == 5 * BLOCK
+    finally:
+        engine.shutdown()
