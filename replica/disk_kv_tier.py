@@ -207,10 +207,16 @@ class DiskKVTier:
 def block_layout_identity(model_config: str, weight_files: list[Path] | None, dtype: str,
                           block_size: int, layout: str) -> bytes:
     """The layout identity of an engine's KV blocks (disk_kv_store.kv_layout_identity): its
-    model's config, its weight files' names and sizes (None: dummy weights, drawn from a
-    fixed seed), its dtype, block size and the host tier's row layout."""
-    weights = ("dummy-seed-0" if weight_files is None else
-               ";".join(f"{file.name}:{file.stat().st_size}" for file in weight_files))
+    model's config, its weight files' paths, sizes and modification times (a fine-tune of the
+    same shapes has other paths; one copied over the old files, other times), or for dummy
+    weights the fixed seed they are drawn from; its dtype, block size and the host tier's row
+    layout. A false miss (the same weights copied anew) costs recomputing; a false hit would
+    cost wrong tokens, so every doubt is a different identity."""
+    if weight_files is None:
+        weights = "dummy-seed-0"
+    else:
+        stats = [(file.resolve(), file.stat()) for file in weight_files]
+        weights = ";".join(f"{path}:{stat.st_size}:{stat.st_mtime_ns}" for path, stat in stats)
     return kv_layout_identity(model_config, weights, dtype, str(block_size), layout)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 
@@ -15,7 +16,12 @@ from iterserve.replica.disk_kv_store import (
     DiskKVStore,
     kv_layout_identity,
 )
-from iterserve.replica.disk_kv_tier import DISK_TO_HOST, HOST_TO_DISK, DiskKVTier
+from iterserve.replica.disk_kv_tier import (
+    DISK_TO_HOST,
+    HOST_TO_DISK,
+    DiskKVTier,
+    block_layout_identity,
+)
 
 BLOCK_BYTES = 256
 IDENTITY = kv_layout_identity("tiny-llama", "float32", "16", "rows")
@@ -149,3 +155,24 @@ def test_the_disk_settings_are_validated() -> None:
         CacheConfig(kv_offloading_size=1.0, kv_offloading_disk_path="/tmp/kv",
                     kv_offloading_disk_size=0)
     assert CacheConfig().kv_offloading_disk_path is None  # off by default
+
+
+def test_the_identity_changes_with_the_weights_dtype_block_size_and_layout(
+        tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x" * 64)
+    base = ("LlamaConfig(...)", [weights], "torch.float32", 16, "rows")
+    identity = block_layout_identity(*base)
+    assert identity == block_layout_identity(*base)  # stable: a restart finds its folder
+    other_path = tmp_path / "finetune.safetensors"  # the same shapes, another checkpoint
+    other_path.write_bytes(b"y" * 64)
+    variants = [("LlamaConfig(other)", [weights], "torch.float32", 16, "rows"),
+                ("LlamaConfig(...)", [other_path], "torch.float32", 16, "rows"),
+                ("LlamaConfig(...)", None, "torch.float32", 16, "rows"),
+                ("LlamaConfig(...)", [weights], "torch.bfloat16", 16, "rows"),
+                ("LlamaConfig(...)", [weights], "torch.float32", 32, "rows"),
+                ("LlamaConfig(...)", [weights], "torch.float32", 16, "transposed rows")]
+    assert len({identity, *(block_layout_identity(*v) for v in variants)}) == 1 + len(variants)
+    weights.write_bytes(b"z" * 64)  # new weights copied over the old file: a new mtime
+    os.utime(weights, ns=(1, 1))
+    assert block_layout_identity(*base) != identity
