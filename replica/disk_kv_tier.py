@@ -12,11 +12,14 @@ tier and is copied to the device like a host hit). A file that fails its checksu
 deleted and reported as a miss; a file that cannot be read, likewise. A full disk (ENOSPC) or a
 block that does not fit the byte bound is counted and not written.
 
-Which blocks are here is this object's in-memory index (stable chain hash -> file size), least
-recently used first, filled at start from the files a previous engine on the same folder left
-(so a restarted replica hits them). Eviction is by recency: a block read back moves to the
-recent end, the writer deletes the least recent files until a new one fits the bound. The
-index is shared by the engine's thread and the writer, under one lock.
+Which blocks are here is this object's in-memory index (stable chain hash -> file size, `
+FileIndex`), filled at start from the files a previous engine on the same folder left (so a
+restarted replica hits them). Eviction weighs recency and frequency as the host tier's does
+(a segmented LRU): a file enters *probation*; a file read back moves to *protected* (at most
+PROTECTED_FRACTION of the bytes); the writer deletes probation's least recent files first,
+then protected's, until a new one fits the bound, so a stream of blocks written once and never
+read cannot flush the ones that came back. The index is shared by the engine's thread and
+the writer, under one lock.
 """
 
 from __future__ import annotations
@@ -42,6 +45,66 @@ DISK_ERRORS = ("corrupt", "read_failed", "disk_full", "write_failed", "dropped")
 GIB = 2**30
 MAX_PENDING_BYTES = 256 * 2**20  # queued writes, at most (more: dropped, counted)
 WRITER_NICENESS = 19  # the writer thread's nice value: the engine's step comes first
+PROTECTED_FRACTION = 0.8  # of the byte bound, at most, holds files read back at least once
+
+
+class FileIndex:
+    """The files on disk by stable hash: two segments in order of last use (least recent
+    first), probation (never read back) and protected (read back at least once)."""
+
+    def __init__(self, max_protected_bytes: int) -> None:
+        self.probation: OrderedDict[int, int] = OrderedDict()  # stable hash -> bytes
+        self.protected: OrderedDict[int, int] = OrderedDict()
+        self.used_bytes = 0
+        self._protected_bytes = 0
+        self._max_protected_bytes = max_protected_bytes
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __contains__(self, stable_hash: int) -> bool:
+        return stable_hash in self.probation or stable_hash in self.protected
+
+    def add(self, stable_hash: int, nbytes: int) -> None:
+        self.probation[stable_hash] = nbytes
+        self.used_bytes += nbytes
+
+    def touch(self, stable_hash: int) -> None:
+        """Recently used again (written again): the recent end of its segment."""
+        for segment in (self.probation, self.protected):
+            if stable_hash in segment:
+                segment.move_to_end(stable_hash)
+
+    def hit(self, stable_hash: int) -> None:
+        """Read back: protected, whose least recent overflow falls back to probation."""
+        nbytes = self.probation.pop(stable_hash, None)
+        if nbytes is None:
+            self.protected.move_to_end(stable_hash)
+            return
+        self.protected[stable_hash] = nbytes
+        self._protected_bytes += nbytes
+        while self._protected_bytes > self._max_protected_bytes and len(self.protected) > 1:
+            demoted, size = self.protected.popitem(last=False)
+            self._protected_bytes -= size
+            self.probation[demoted] = size
+
+    def pop(self, stable_hash: int) -> int | None:
+        """Forget the file: its size, or None if it was not here."""
+        nbytes = self.probation.pop(stable_hash, None)
+        if nbytes is None:
+            nbytes = self.protected.pop(stable_hash, None)
+            if nbytes is not None:
+                self._protected_bytes -= nbytes
+        if nbytes is not None:
+            self.used_bytes -= nbytes
+        return nbytes
+
+    def victim(self) -> int | None:
+        """The file to delete next: probation's least recent, then protected's."""
+        for segment in (self.probation, self.protected):
+            if segment:
+                return next(iter(segment))
+        return None
 
 
 class DiskKVTier:
@@ -56,16 +119,14 @@ class DiskKVTier:
         self.block_bytes = block_bytes
         self.max_pending_bytes = max_pending_bytes
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, int] = OrderedDict()  # stable hash -> bytes, LRU first
-        self._used_bytes = 0
+        self._files = FileIndex(int(capacity_bytes * PROTECTED_FRACTION))
         self._pending_bytes = 0
         self.bytes_copied = dict.fromkeys(DISK_TRANSFER_TYPES, 0)
         self.copy_seconds = dict.fromkeys(DISK_TRANSFER_TYPES, 0.0)
         self.errors = dict.fromkeys(DISK_ERRORS, 0)
         self.num_evicted = 0
         for block in store.scan():  # oldest first: the least recent end of the LRU
-            self._files[block.stable_hash] = block.nbytes
-            self._used_bytes += block.nbytes
+            self._files.add(block.stable_hash, block.nbytes)
         self._evict_to_fit(0)  # a smaller bound than last time: the oldest files go
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="disk-kv-writer",
@@ -83,7 +144,7 @@ class DiskKVTier:
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return self._used_bytes
+            return self._files.used_bytes
 
     def counters(self) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
         """(bytes copied, seconds, errors), copied under the lock the writer updates them in."""
@@ -93,8 +154,7 @@ class DiskKVTier:
     def touch(self, stable_hash: int) -> None:
         """The block is wanted again (its host copy was evicted while this one stayed)."""
         with self._lock:
-            if stable_hash in self._files:
-                self._files.move_to_end(stable_hash)
+            self._files.touch(stable_hash)
 
     # ------------------------------------------------------------------------------ writes
     def write_async(self, stable_hash: int, payload: bytes) -> None:
@@ -138,8 +198,8 @@ class DiskKVTier:
 
     def _write_file(self, stable_hash: int, payload: bytes) -> None:
         with self._lock:
-            if stable_hash in self._files:
-                self._files.move_to_end(stable_hash)
+            if stable_hash in self._files:  # written meanwhile (spilled twice)
+                self._files.touch(stable_hash)
                 return
         nbytes = self.store.file_bytes(len(payload))
         self._evict_to_fit(nbytes)
@@ -155,17 +215,16 @@ class DiskKVTier:
         with self._lock:
             self.bytes_copied[HOST_TO_DISK] += len(payload)
             self.copy_seconds[HOST_TO_DISK] += time.perf_counter() - start
-            self._files[stable_hash] = written
-            self._used_bytes += written
+            self._files.add(stable_hash, written)
 
     def _evict_to_fit(self, nbytes: int) -> None:
         """Delete the least recent files until nbytes more fit the bound."""
         while True:
             with self._lock:
-                if self._used_bytes + nbytes <= self.capacity_bytes or not self._files:
+                victim = self._files.victim()
+                if self._files.used_bytes + nbytes <= self.capacity_bytes or victim is None:
                     return
-                victim, size = self._files.popitem(last=False)
-                self._used_bytes -= size
+                self._files.pop(victim)
                 self.num_evicted += 1
             self.store.delete(victim)
 
@@ -192,15 +251,13 @@ class DiskKVTier:
             self.bytes_copied[DISK_TO_HOST] += len(payload)
             self.copy_seconds[DISK_TO_HOST] += time.perf_counter() - start
             if stable_hash in self._files:
-                self._files.move_to_end(stable_hash)
+                self._files.hit(stable_hash)
         return payload
 
     def _forget(self, stable_hash: int, reason: str) -> None:
         with self._lock:
             self.errors[reason] += 1
-            size = self._files.pop(stable_hash, None)
-            if size is not None:
-                self._used_bytes -= size
+            self._files.pop(stable_hash)
         self.store.delete(stable_hash)
 
 

@@ -114,6 +114,21 @@ def test_the_byte_bound_evicts_the_least_recently_used_files(tmp_path: Path) -> 
     assert len(smaller) == 1
 
 
+def test_blocks_read_back_outlive_a_stream_of_blocks_never_read(tmp_path: Path) -> None:
+    """The segmented LRU: files written once and never read (a no-reuse stream) are deleted
+    before files that came back, however recent the stream."""
+    tier = tier_at(tmp_path, num_files=4)
+    for key in (1, 2):
+        tier.write_async(key, payload(key))
+    tier.flush()
+    assert tier.read(1) == payload(1) and tier.read(2) == payload(2)  # both protected
+    for key in range(10, 20):  # a stream of ten, never read
+        tier.write_async(key, payload(key))
+    tier.flush()
+    assert 1 in tier and 2 in tier and len(tier) == 4
+    assert [key for key in range(10, 20) if key in tier] == [18, 19]
+
+
 def test_a_full_disk_is_counted_and_nothing_is_announced(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC cannot be produced on this machine's shared disk without filling it: the
