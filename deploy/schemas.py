@@ -147,7 +147,7 @@ class _SamplingFields(_Body):
 
 
 class PromptTokensDetails(_Out):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (device and host tiers)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (device, host and disk tiers)
 
 
 class UsageInfo(_Out):

@@ -193,6 +193,9 @@ class AsyncLLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         self.engine.constrained.shutdown()  # the grammar-compile threads
+        disk = getattr(self.engine.runner, "disk_tier", None)
+        if disk is not None:  # its queued writes land, so a replica restarted here finds them
+            disk.close(timeout_s=10.0)
 
     # ----------------------------------------------------------------------- engine thread
     def _submit(self, run: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:

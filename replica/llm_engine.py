@@ -87,7 +87,8 @@ class LLMEngine(EngineStatsReporting):
             self.block_manager = BlockManager(self.runner.num_kv_blocks(),
                                               config.cache.block_size,
                                               config.cache.enable_prefix_caching,
-                                              self._host_kv_index(config))
+                                              self._host_kv_index(config),
+                                              getattr(self.runner, "disk_tier", None))
             self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
                                        plans_ahead=bool(config.async_scheduling))
             self.constrained = ConstrainedRequests(self.tokenizer, self.runner.vocab_size,

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.dashboards import kv_tier_metrics
 from iterserve.dashboards import metrics as m
 from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats
 
@@ -100,10 +101,33 @@ def test_host_tier_counters_per_tier_and_transfer_type(registry: CollectorRegist
     assert _value(registry, m.KV_OFFLOAD_TOTAL_TIME, transfer_type="CPU_to_GPU") == 0.375
 
 
-def test_transfer_types_are_the_host_tiers() -> None:
+def test_disk_tier_counters_per_tier_reason_and_transfer_type(
+        registry: CollectorRegistry) -> None:
+    logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)
+    assert _value(registry, m.KV_TIER_HITS, tier="disk") == 0.0  # every series from the start
+    assert _value(registry, m.KV_DISK_ERRORS, reason="disk_full") == 0.0
+    logger.record(_engine(host_cache_queries=300, host_cache_hits=64, disk_cache_queries=236,
+                          disk_cache_hits=160, disk_errors={"corrupt": 2, "disk_full": 0},
+                          kv_offload_bytes={"CPU_to_DISK": 8192, "DISK_to_CPU": 4096},
+                          kv_offload_seconds={"DISK_to_CPU": 0.125}),
+                  _iteration(), [])
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_QUERIES) == 300.0  # what the device missed
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_HITS) == 224.0  # host and disk
+    assert _value(registry, m.KV_TIER_QUERIES, tier="host") == 300.0
+    assert _value(registry, m.KV_TIER_HITS, tier="host") == 64.0
+    assert _value(registry, m.KV_TIER_QUERIES, tier="disk") == 236.0
+    assert _value(registry, m.KV_TIER_HITS, tier="disk") == 160.0
+    assert _value(registry, m.KV_DISK_ERRORS, reason="corrupt") == 2.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_BYTES, transfer_type="CPU_to_DISK") == 8192.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_TIME, transfer_type="DISK_to_CPU") == 0.125
+
+
+def test_transfer_types_are_the_host_and_disk_tiers() -> None:
+    from iterserve.replica.disk_kv_tier import DISK_ERRORS, DISK_TRANSFER_TYPES
     from iterserve.replica.host_kv_tier import TRANSFER_TYPES
 
-    assert m.TRANSFER_TYPES == TRANSFER_TYPES
+    assert m.TRANSFER_TYPES == TRANSFER_TYPES + DISK_TRANSFER_TYPES
+    assert kv_tier_metrics.DISK_ERRORS == DISK_ERRORS
 
 
 def test_an_engine_restart_does_not_make_counters_go_backwards(
@@ -208,7 +232,7 @@ logger = m.PrometheusStatLogger("tiny", sys.argv[1])
 engine = Record(num_running=int(sys.argv[2]), num_waiting=0, kv_usage=0.5, num_preemptions=0,
                 num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
                 host_cache_queries=0, host_cache_hits=0, kv_offload_bytes={},
-                kv_offload_seconds={})
+                kv_offload_seconds={}, disk_cache_queries=0, disk_cache_hits=0, disk_errors={})
 step = Record(num_prompt_tokens=30, num_generation_tokens=3, time_to_first_tokens_s=[0.1],
               inter_token_latencies_s=[])
 logger.record(engine, step, [])
