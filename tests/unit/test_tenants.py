@@ -193,3 +193,21 @@ def test_sub_tenant_rules() -> None:
         Caller(acme).naming(None, "eve")
     lenient = TenantConfig("b", sub_tenant_from="header", unknown_sub_tenant="parent")
     assert Caller(lenient).naming("bad name!", None).sub_tenant is None
+
+
+def test_iterserve_serve_stops_on_a_malformed_keys_file_and_passes_the_isolation_flag(
+        tmp_path) -> None:
+    from iterserve.deploy.cli_serve import app_args_from, build_parser
+
+    bad = tmp_path / "keys"
+    bad.write_text("tenant acme\nsk-1 acme\nsk-2 nobody\n")
+    with pytest.raises(ValueError, match=r"keys:3: the key names tenant 'nobody'"):
+        app_args_from(build_parser().parse_args(["--api-key-file", str(bad)]))
+    good = tmp_path / "good"
+    good.write_text("tenant acme\nsk-1 acme\n")
+    args = app_args_from(build_parser().parse_args(
+        ["--api-key-file", str(good), "--api-key", "sk-cli", "--no-tenant-cache-isolation"]))
+    assert args["tenant_cache_isolation"] is False
+    # Only the flag's key travels as a secret; the file's keys (with their tenants) are read
+    # by each ingress from the file.
+    assert [k.get_secret_value() for k in args["api_keys"]] == ["sk-cli"]
