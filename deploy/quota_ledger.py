@@ -153,10 +153,6 @@ class QuotaLedger:
             refund = max(0, lease.tokens - used_tokens)
             state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
 
-    def open_leases(self, tenant: str) -> int:
-        state = self._tenants.get(tenant)
-        return state.open_leases if state is not None else 0
-
 
 def _resized(bucket: Bucket | None, per_minute: int | None, now: float) -> Bucket | None:
     """The bucket refilled to now, at the quota's size (a new quota: a full bucket)."""

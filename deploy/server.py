@@ -59,9 +59,6 @@ class IngressSettings:
         if DEFAULT_TENANT not in names:
             raise ValueError("tenants must include the default tenant")
 
-    def tenant(self, name: str) -> TenantConfig:
-        return next(t for t in self.tenants if t.name == name)
-
     def __repr__(self) -> str:  # never show keys
         return (f"IngressSettings(num_api_keys={len(self.api_keys)}, "
                 f"tenants={[t.name for t in self.tenants]}, "

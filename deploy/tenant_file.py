@@ -63,12 +63,6 @@ class TenantKeys:
     def __repr__(self) -> str:  # never show keys
         return f"TenantKeys(num_keys={len(self.keys)}, tenants={[t.name for t in self.tenants]})"
 
-    def tenant(self, name: str) -> TenantConfig:
-        for tenant in self.tenants:
-            if tenant.name == name:
-                return tenant
-        raise KeyError(name)
-
     def with_keys(self, keys: tuple[SecretStr, ...], tenant: str = DEFAULT_TENANT
                   ) -> TenantKeys:
         """These keys added for `tenant` (a key already listed keeps its first tenant only

@@ -113,13 +113,6 @@ class Caller:
     tenant: TenantConfig
     sub_tenant: str | None = None
 
-    @property
-    def label(self) -> str:
-        """tenant or tenant/sub-tenant, as metrics and logs name it."""
-        if self.sub_tenant is None:
-            return self.tenant.name
-        return f"{self.tenant.name}/{self.sub_tenant}"
-
     def cache_namespace(self, isolation: bool, request_salt: str | None) -> CacheNamespace:
         """The request's cache namespace: its tenant's salt, narrowed by its own `cache_salt`
         (vLLM's field); b"" for a plain request of the shared namespace."""

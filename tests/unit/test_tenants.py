@@ -42,7 +42,7 @@ def test_a_keys_file_gives_each_key_its_tenant_and_each_tenant_its_settings() ->
     tenants = {k.get_secret_value(): t for k, t in parsed.keys}
     assert tenants == {"sk-acme": "acme", "sk-beta": "beta", "sk-docs-a": "docs-a",
                        "sk-docs-b": "docs-b", "sk-plain": "default", "sk-with#hash": "default"}
-    acme = parsed.tenant("acme")
+    acme = {t.name: t for t in parsed.tenants}["acme"]
     assert (acme.weight, acme.priority, acme.ttft_slo_ms) == (2.0, 1, 800.0)
     assert acme.quota.tokens_per_minute == 60000 and acme.quota.max_concurrent_requests is None
     assert acme.sub_tenants == ("alice", "bob") and acme.sub_tenant_from == "user"
@@ -187,7 +187,7 @@ def test_sub_tenants_by_user_field_and_header(engine) -> None:
 
 def test_sub_tenant_rules() -> None:
     acme = TenantConfig("acme", sub_tenant_from="user", sub_tenants=("alice",))
-    assert Caller(acme).naming(None, "alice").label == "acme/alice"
+    assert Caller(acme).naming(None, "alice") == Caller(acme, "alice")
     assert Caller(acme).naming("alice", None).sub_tenant is None  # the header is not its source
     with pytest.raises(ValueError, match="unknown sub-tenant"):
         Caller(acme).naming(None, "eve")
