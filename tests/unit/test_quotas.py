@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
+from iterserve.dashboards.metrics import (
+    TENANT_GENERATION_TOKENS,
+    TENANT_PROMPT_TOKENS,
+    TENANT_REQUESTS,
+    TENANT_TIME_TO_FIRST_TOKEN,
+    MetricSpec,
+    metric_name,
+)
+from iterserve.dashboards.tenant_metrics import TenantMetrics
 from iterserve.deploy.engine_client import LocalEngineClient
 from iterserve.deploy.quota_ledger import QuotaLedger
 from iterserve.deploy.quotas import LocalQuotas, duration_text
@@ -103,8 +113,10 @@ def test_over_quota_is_a_429_with_retry_after_and_the_headers_count_down(engine)
     parsed = parse_keys_file(KEYS)
     settings = IngressSettings(api_keys=parsed.keys, tenants=parsed.tenants)
     clock = Clock()
+    registry = CollectorRegistry()
+    metrics = TenantMetrics("tiny", registry=registry, backend="prometheus")
     app = create_app(LocalEngineClient(engine), settings,
-                     tenancy=Tenancy(quotas=LocalQuotas(QuotaLedger(clock))))
+                     tenancy=Tenancy(quotas=LocalQuotas(QuotaLedger(clock)), metrics=metrics))
     body = {"prompt": list(range(5, 25)), "max_tokens": 40, "ignore_eos": True}  # 60 tokens
     with TestClient(app, headers={"Authorization": "Bearer sk-small"}) as http:
         remaining = []
@@ -130,3 +142,14 @@ def test_over_quota_is_a_429_with_retry_after_and_the_headers_count_down(engine)
         stream = http.post("/v1/completions", json={**body, "stream": True})
         assert stream.status_code == 200 and stream.headers["x-ratelimit-remaining-tokens"] == "0"
         assert stream.text.rstrip().endswith("data: [DONE]")
+
+    def sample(spec: MetricSpec, **labels: str) -> float | None:
+        return registry.get_sample_value(metric_name(spec),
+                                         {"model_name": "tiny", "tenant": "small", **labels})
+
+    assert sample(TENANT_REQUESTS, outcome="admitted") == 6.0  # five, then the stream
+    assert sample(TENANT_REQUESTS, outcome="rate_limited") == 1.0
+    assert sample(TENANT_PROMPT_TOKENS) == 6 * 20 and sample(TENANT_GENERATION_TOKENS) == 6 * 40
+    ttfts = registry.get_sample_value(metric_name(TENANT_TIME_TO_FIRST_TOKEN, "_count"),
+                                      {"model_name": "tiny", "tenant": "small"})
+    assert ttfts == 6.0
