@@ -9,20 +9,38 @@ generated (every tenant in the shared cache namespace: the tournament's publishe
 and salted by tenant (`sim/tenant_salt.py`: what the ingress does by default since
 tenants), so the two columns compare on the same code. Writes
 results/tenant_salting.json and .md.
+
+--system-prompt-tokens N runs a variant where salting can matter: every tenant's prompt
+starts with the same N-token system prompt (then its own context and question, at the
+published cells' rates), three ways: one shared namespace, salted by tenant, and salted
+with every tenant granted one cache_share group (which must equal the first). Written to
+results/tenant_salting_system_prompt.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.sim.cluster import simulate
+from iterserve.autoscale.sim.prompts import SyntheticPrompt
+from iterserve.autoscale.sim.shapes import make
+from iterserve.autoscale.sim.tenant_salt import salted_by_tenant
+from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies import results_of
 from iterserve.loadtests.studies.router_tournament.tournament import LOADS, router_cells
-from iterserve.loadtests.studies.router_tournament.tournament_cells import ROUTERS, run_cell
+from iterserve.loadtests.studies.router_tournament.tournament_cells import (
+    NUM_INGRESS_ROUTERS,
+    ROUTERS,
+    run_cell,
+    sim_config,
+    summarise,
+)
 
 WORKLOAD = "multi-tenant"
 # The tournament's published contestants (its README's commands).
@@ -35,6 +53,52 @@ def cells_both_ways(sizes: Sequence[int], loads: Sequence[float], routers: Seque
     plain = router_cells([WORKLOAD], sizes, loads, routers, {WORKLOAD: capacity}, seed=0)
     return [{**cell, "tenant_cache_isolation": salted} for cell in plain
             for salted in (False, True)]
+
+
+def with_system_prompt(requests: list[WorkloadRequest], tokens: int) -> list[WorkloadRequest]:
+    """Every prompt headed by the same `tokens`-token system prompt (ids below the tenants'
+    contexts); each tenant's new head is one tuple, shared by its requests."""
+    system = tuple(range((1 << 28), (1 << 28) + tokens))
+    heads: dict[int, tuple[int, ...]] = {}
+    out = []
+    for request in requests:
+        prompt = request.prompt_token_ids
+        if not isinstance(prompt, SyntheticPrompt):
+            raise ValueError("the multi-tenant shape's prompts are synthetic")
+        head = heads.setdefault(id(prompt.prefix), system + prompt.prefix)
+        out.append(dataclasses.replace(request, prompt_token_ids=SyntheticPrompt(
+            head, prompt.unique_start, prompt.num_unique, prompt.private)))
+    return out
+
+
+def run_system_prompt_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """run_cell's figures for the multi-tenant workload with a shared system prompt, in the
+    cell's namespace mode: "shared", "salted" or "granted"."""
+    requests = with_system_prompt(
+        make(WORKLOAD, cell["rate"], cell["duration_s"], cell["seed"]),
+        cell["system_prompt_tokens"])
+    if cell["namespaces"] != "shared":
+        grant = {r.tenant: "all" for r in requests if r.tenant} \
+            if cell["namespaces"] == "granted" else None
+        requests = salted_by_tenant(requests, grant)
+    routers = [ROUTERS[cell["router"]]() for _ in range(NUM_INGRESS_ROUTERS)]
+    result = simulate(requests, routers, cell["replicas"], sim_config(None, cell["seed"]))
+    return {**cell, **summarise(result, cell["seed"])}
+
+
+def system_prompt_table(results: list[dict[str, Any]]) -> str:
+    by_key = {(r["replicas"], r["load"], r["router"], r["namespaces"]): r for r in results}
+    lines = ["| replicas | load | router | p99 TTFT shared / salted / granted (s) | "
+             "hit rate shared / salted / granted |", "|---|---|---|---|---|"]
+    for (n, load, router, mode), shared in sorted(by_key.items()):
+        if mode != "shared":
+            continue
+        rows = [shared, by_key[(n, load, router, "salted")],
+                by_key[(n, load, router, "granted")]]
+        lines.append(f"| {n} | {load} | {router} | "
+                     + " / ".join(f"{r['ttft_p99_s'][0]:.3f}" for r in rows) + " | "
+                     + " / ".join(f"{r['prefix_hit_rate']:.4f}" for r in rows) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -65,11 +129,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fractions of the probed capacity")
     parser.add_argument("--routers", nargs="*", choices=list(ROUTERS),
                         default=list(PUBLISHED_ROUTERS), help="routers to run")
+    parser.add_argument("--system-prompt-tokens", type=int, default=0,
+                        help="run the shared-system-prompt variant with this many tokens")
     parser.add_argument("--out", type=Path, default=results_of("router_tournament"),
                         help="folder of tournament.json and the outputs")
     args = parser.parse_args(argv)
     store = json.loads((args.out / "tournament.json").read_text())
     capacity = store["capacity"][json.dumps([WORKLOAD, None])]
+    if args.system_prompt_tokens > 0:
+        plain = router_cells([WORKLOAD], args.sizes, args.loads, args.routers,
+                             {WORKLOAD: capacity}, seed=0)
+        variant = [{**c, "system_prompt_tokens": args.system_prompt_tokens, "namespaces": mode}
+                   for c in plain for mode in ("shared", "salted", "granted")]
+        with multiprocessing.Pool(args.jobs) as pool:
+            results = pool.map(run_system_prompt_cell, variant)
+        stem = "tenant_salting_system_prompt"
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+        text = system_prompt_table(results)
+        (args.out / f"{stem}.md").write_text(text)
+        print(text)
+        return 0
     cells = cells_both_ways(args.sizes, args.loads, args.routers, capacity)
     with multiprocessing.Pool(args.jobs) as pool:
         results = pool.map(run_cell, cells)
