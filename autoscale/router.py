@@ -167,10 +167,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         if token_ids is None:
             return None, None, 0
         max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
-        key, footprint = self._core.request_key(token_ids, max_tokens)
-        namespace = extract_cache_namespace(pending_request.kwargs)
-        if key is not None and namespace:
-            key = hash((namespace, key))
+        key, footprint = self._core.request_key(
+            token_ids, max_tokens, extract_cache_namespace(pending_request.kwargs))
         return token_ids, key, footprint
 
     def _cached_tokens(self, token_ids: list[int] | None, replica_ids: Sequence[ReplicaID],

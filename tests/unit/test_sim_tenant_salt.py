@@ -81,3 +81,18 @@ def test_only_synthetic_prompts_are_salted() -> None:
         salted_by_tenant([WorkloadRequest("x", 0.0, [1, 2, 3], 4, tenant="a")])
     untouched = WorkloadRequest("y", 0.0, [1, 2, 3], 4)
     assert salted_by_tenant([untouched]) == [untouched]
+
+
+def test_the_affinity_key_is_the_prompts_in_its_namespace() -> None:
+    """The router core's prefix-affinity key (the Ray adapter's and the simulator's): an
+    equal prompt in another namespace gets another key, the shared namespace the old one."""
+    from iterserve.autoscale.config import RouterConfig
+    from iterserve.autoscale.router_state import KVRouterCore
+
+    core: KVRouterCore[str] = KVRouterCore(RouterConfig())
+    prompt = list(HEAD[:100])
+    plain, _ = core.request_key(prompt, 8)
+    salted_a, _ = core.request_key(prompt, 8, cache_namespace(salt="a"))
+    salted_b, _ = core.request_key(prompt, 8, cache_namespace(salt="b"))
+    assert plain is not None and len({plain, salted_a, salted_b}) == 3
+    assert core.request_key(prompt, 8, b"") == (plain, 108)
