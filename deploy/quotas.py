@@ -28,6 +28,9 @@ from iterserve.deploy.tenants import TenantConfig
 logger = logging.getLogger(__name__)
 
 QUOTA_ACTOR_ERRORS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
+# How long a request waits for the ledger's answer: past it, a 503 (a tenant with quotas is
+# never served uncounted), as when the actor cannot be reached at all.
+LEDGER_TIMEOUT_S = 10.0
 
 
 class QuotaGate(Protocol):
@@ -72,15 +75,23 @@ class RayQuotas:
         return self._actor
 
     async def admit(self, tenant: TenantConfig, tokens: int) -> Admission:
-        try:
-            return await self._handle().admit.remote(tenant.name, tenant.quota, tokens)
-        except Exception as error:  # noqa: BLE001 - only "the actor is gone" is retried
-            if type(error).__name__ not in QUOTA_ACTOR_ERRORS:
-                raise
-            logger.warning("the quota ledger actor is gone (%s); asking for it again",
-                           type(error).__name__)
-            self._actor = None
-            return await self._handle().admit.remote(tenant.name, tenant.quota, tokens)
+        """The ledger's answer; the actor found again once if it is gone; a 503 when it
+        cannot answer within LEDGER_TIMEOUT_S."""
+        for attempt in (1, 2):
+            try:
+                return await asyncio.wait_for(
+                    self._handle().admit.remote(tenant.name, tenant.quota, tokens),
+                    LEDGER_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                break
+            except Exception as error:  # noqa: BLE001 - only "the actor is gone" is retried
+                if type(error).__name__ not in QUOTA_ACTOR_ERRORS or attempt == 2:
+                    raise
+                logger.warning("the quota ledger actor is gone (%s); asking for it again",
+                               type(error).__name__)
+                self._actor = None
+        raise OpenAIHTTPError(503, "The quota ledger did not answer; retry later.",
+                              "service_unavailable", headers={"Retry-After": "1"})
 
     def release(self, lease_id: int, used_tokens: int) -> None:
         """Sent without waiting: the request is over; a lost release only delays a refund

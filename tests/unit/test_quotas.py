@@ -153,3 +153,27 @@ def test_over_quota_is_a_429_with_retry_after_and_the_headers_count_down(engine)
     ttfts = registry.get_sample_value(metric_name(TENANT_TIME_TO_FIRST_TOKEN, "_count"),
                                       {"model_name": "tiny", "tenant": "small"})
     assert ttfts == 6.0
+
+
+def test_a_ledger_that_does_not_answer_is_a_503_not_an_uncounted_request(monkeypatch) -> None:
+    """RayQuotas over a stand-in actor handle whose answer never comes (a real Ray actor
+    that hangs cannot be made here without Ray; the Serve test covers the real one)."""
+    import asyncio
+
+    from iterserve.deploy import quotas
+    from iterserve.deploy.errors import OpenAIHTTPError
+    from iterserve.deploy.tenants import TenantConfig
+
+    class Hanging:
+        class admit:  # noqa: N801 - the actor method's name
+            @staticmethod
+            def remote(*_: object) -> object:
+                return asyncio.sleep(60)
+
+    monkeypatch.setattr(quotas, "LEDGER_TIMEOUT_S", 0.05)
+    gate = quotas.RayQuotas("unused")
+    gate._actor = Hanging()
+    tenant = TenantConfig("t", quota=TenantQuota(tokens_per_minute=10))
+    with pytest.raises(OpenAIHTTPError) as error:
+        asyncio.run(gate.admit(tenant, 1))
+    assert error.value.status_code == 503 and error.value.headers["Retry-After"] == "1"
