@@ -220,6 +220,22 @@ REPLICA_STARTUP_BYTES_COPIED = _gauge(
     "memory (dequantised or converted weights, parameters, oneDNN's packed copies, the zeroed "
     "KV cache).",
     labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
+# Per tenant, counted by the ingress (dashboards/tenant_metrics.py bounds the label's values).
+LABEL_TENANT = "tenant"
+_TENANT_LABELS = (LABEL_MODEL, LABEL_TENANT)
+TENANT_REQUESTS = _counter(
+    "tenant_requests", "Requests per tenant by outcome: admitted, or rate_limited (a 429 of "
+    "the tenant's quota).", labels=(*_TENANT_LABELS, LABEL_OUTCOME), vllm=False)
+TENANT_PROMPT_TOKENS = _counter(
+    "tenant_prompt_tokens", "Prompt tokens of each tenant's requests.", labels=_TENANT_LABELS,
+    vllm=False)
+TENANT_GENERATION_TOKENS = _counter(
+    "tenant_generation_tokens", "Tokens generated for each tenant.", labels=_TENANT_LABELS,
+    vllm=False)
+TENANT_TIME_TO_FIRST_TOKEN = MetricSpec(
+    "tenant_time_to_first_token_seconds", "histogram", "Time to first token per tenant, as "
+    "the ingress sees it (admitted to first token), in seconds.", _TENANT_LABELS,
+    buckets=TTFT_BUCKETS)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
     labels=(LABEL_MODEL,), mode="mostrecent", vllm=False)
@@ -233,7 +249,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED,
 )
 ALL_METRICS: tuple[MetricSpec, ...] = (
-    *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS)
+    *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS,
+    TENANT_REQUESTS, TENANT_PROMPT_TOKENS, TENANT_GENERATION_TOKENS, TENANT_TIME_TO_FIRST_TOKEN)
 
 
 def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = DEFAULT_PREFIX) -> str:

@@ -8,7 +8,8 @@ Grafana variables used in queries: ``$model_name`` (multi-value, so ``=~``) and
 data: ``engine`` (any iterserve replica), ``host_tier`` (a replica with a host KV tier:
 kv_offloading_size set), ``disk_tier`` (one with a disk KV tier under it:
 kv_offloading_disk_path set), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter: DCGM,
-nvidia_gpu_exporter, or Ray's node metrics on a GPU node).
+nvidia_gpu_exporter, or Ray's node metrics on a GPU node), ``tenants`` (an ingress that has
+served a completion: the per-tenant series appear with the first).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from iterserve.dashboards import metrics as m
 
-REQUIREMENTS = ("engine", "host_tier", "disk_tier", "router", "autoscaler", "gpu")
+REQUIREMENTS = ("engine", "host_tier", "disk_tier", "router", "autoscaler", "gpu", "tenants")
 DEFAULT_KV_WATERMARK = 0.9  # the line drawn on the KV-usage panel
 
 
@@ -203,5 +204,25 @@ FLEET = Row("Fleet: replicas, router, autoscaler, GPUs", (
           "percent", _GPU_UTILISATION, width=24, max_value=100.0),
 ))
 
-ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET)
+def _by_tenant(spec: m.MetricSpec, extra: str = "") -> str:
+    return f"sum by (tenant{extra}) (rate({_series(spec)}{SELECTOR}{RATE}))"
+
+
+TENANTS = Row("Tenants (the first 32 seen by each ingress; the rest as \"other\")", (
+    Panel("Requests per tenant", "Requests per second each tenant sent: admitted, and refused "
+          "by its quota (429 rate_limit_exceeded).", "reqps",
+          (Target(_by_tenant(m.TENANT_REQUESTS, ", outcome"), "{{tenant}} {{outcome}}",
+                  requires="tenants"),), stacked=True),
+    Panel("Tokens per tenant", "Prompt and generated tokens per second of each tenant's "
+          "requests (what its tokens-per-minute quota counts, / 60).", "tokens/s",
+          (Target(_by_tenant(m.TENANT_PROMPT_TOKENS), "{{tenant}} prompt", requires="tenants"),
+           Target(_by_tenant(m.TENANT_GENERATION_TOKENS), "{{tenant}} generated",
+                  requires="tenants")), stacked=True),
+    Panel("Time to first token per tenant (p95)", "As the ingress sees it: from admission "
+          "(quota granted) to the first token; compare with a tenant's ttft_slo_ms.", "s",
+          (Target(_quantile(0.95, m.TENANT_TIME_TO_FIRST_TOKEN, by="le, tenant"),
+                  "{{tenant}} p95", requires="tenants"),), width=24),
+))
+
+ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET, TENANTS)
 

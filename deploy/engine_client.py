@@ -33,6 +33,7 @@ from iterserve.deploy.errors import (
     unwrap_ray_error,
 )
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ class EngineClient(Protocol):
     async def tokenizer(self) -> Tokenizer: ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, cache_namespace: CacheNamespace = b""
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     async def replica_infos(self) -> list[dict[str, Any]]: ...
 
@@ -105,8 +107,10 @@ class LocalEngineClient:
         return [describe_engine(self.engine, {"replica_id": "local"})]
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority)
+                       request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b""
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
+                               cache_namespace)
         try:
             async for item in stream:
                 if isinstance(item, EngineErrorInfo):
@@ -238,10 +242,13 @@ class HandleEngineClient:
             raise held_too_long(self._hold_timeout_s) from None
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b""
+                       ) -> AsyncIterator[RequestOutput]:
+        """cache_namespace travels as a keyword: the KV-aware router reads it there
+        (autoscale/router.py) to look the prompt up in the right namespace."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
-                                                      priority)
+                                                      priority, cache_namespace=cache_namespace)
             complete = False
             started = False
             try:

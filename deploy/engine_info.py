@@ -14,6 +14,7 @@ from typing import Any
 
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.errors import EngineErrorInfo, engine_error_info
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.sampling_params import SamplingParams
 
@@ -66,13 +67,15 @@ async def stream_engine(
     params: SamplingParams,
     request_id: str,
     priority: int = 0,
+    cache_namespace: CacheNamespace = b"",
 ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
     """Yield the engine's deltas; an engine error before the first one is yielded as data.
 
     Closing this generator early (client disconnect: Serve injects CancelledError) closes the
     engine's generator, which aborts the request and frees its KV blocks.
     """
-    agen = engine.generate(prompt_token_ids, params, request_id, priority=priority)
+    agen = engine.generate(prompt_token_ids, params, request_id, priority=priority,
+                           cache_namespace=cache_namespace)
     try:
         try:
             first = await agen.__anext__()

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import (
     EngineDeadError,
@@ -87,8 +88,10 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        cache_namespace: CacheNamespace = b"",
     ) -> AsyncIterator[RequestOutput]:
-        """Stream output deltas of every child; raises before yielding on bad input."""
+        """Stream output deltas of every child; raises before yielding on bad input.
+        cache_namespace: where its prefix-cache blocks live (replica/block_keys.py)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._draining:
@@ -104,7 +107,7 @@ class AsyncLLMEngine:
             if bound is not None and waiting >= bound:
                 raise QueueFullError(waiting)
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority,
-                               arrival_time=arrival)
+                               arrival_time=arrival, cache_namespace=cache_namespace)
             self._streams[request_id] = stream
 
         try:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.constrained_requests import ConstrainedRequests
@@ -131,8 +132,10 @@ class LLMEngine(EngineStatsReporting):
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_namespace: CacheNamespace = b"",
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Bad input raises ValueError."""
+        """Queue a request (text or token ids); returns its id. Bad input raises ValueError.
+        cache_namespace: the prefix-cache namespace of its blocks (replica/block_keys.py)."""
         params = sampling_params or SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -154,6 +157,7 @@ class LLMEngine(EngineStatsReporting):
                 eos_token_ids=self.eos_token_ids,
                 index=i,
                 parent_id=request_id,
+                cache_namespace=cache_namespace,
             )
             for i in range(params.n)
         ]

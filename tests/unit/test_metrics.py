@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.dashboards import kv_tier_metrics
 from iterserve.dashboards import metrics as m
+from iterserve.dashboards.tenant_metrics import OTHER_TENANTS, TenantLabels, TenantMetrics
 from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats
 
 
@@ -192,6 +193,10 @@ def _exposition(prefix: str) -> str:
     router.record_decision("r0")
     router.record_sync_exchange("ok")
     m.AutoscalerMetrics("tiny", registry=registry, prefix=prefix).set_target_replicas(2)
+    tenants = TenantMetrics("tiny", registry=registry, prefix=prefix)
+    tenants.record_request("acme", "admitted")
+    tenants.record_first_token("acme", 0.05)
+    tenants.record_tokens("acme", 20, 5)
     return m.metrics_text(registry).decode()
 
 
@@ -261,3 +266,23 @@ def test_multiprocess_mode_merges_replica_processes(tmp_path, monkeypatch) -> No
     assert (running, "r2") not in samples, "a stopped replica's live gauges are dropped"
     assert samples[(m.metric_name(m.PROMPT_TOKENS), "r2")] == 30.0, "its counters stay"
     assert "foreign_process_metric" not in text
+
+
+def test_tenant_labels_are_bounded_the_first_seen_keep_theirs() -> None:
+    labels = TenantLabels(max_tenants=2)
+    assert [labels.label(t) for t in ("a", "b", "c", "a", OTHER_TENANTS, "b")] == [
+        "a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+    registry = CollectorRegistry()
+    tenants = TenantMetrics("tiny", registry=registry, max_tenants=1)
+    for name in ("a", "b", "c"):
+        tenants.record_request(name, "admitted")
+    tenants.record_request("a", "rate_limited")
+    name = m.metric_name(m.TENANT_REQUESTS)
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": "a",
+                                            "outcome": "admitted"}) == 1.0
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": OTHER_TENANTS,
+                                            "outcome": "admitted"}) == 2.0
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": "a",
+                                            "outcome": "rate_limited"}) == 1.0
+    with pytest.raises(ValueError):
+        tenants.record_request("a", "maybe")
