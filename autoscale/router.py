@@ -19,10 +19,12 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
   1. kwargs["params"] / kwargs["sampling_params"] with a `max_tokens` attribute or key
   2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
   3. args[0]["max_tokens"] / args[0].max_tokens
-Missing: only the prompt counts. And its LoRA adapter (kwargs["lora_request"] or args[4],
-an object with a `name`): its prefix is looked up in the adapter's cache namespace, and a
-replica holding the adapter is preferred under a load guard (autoscale/lora_affinity.py).
-Nothing else in the request is read.
+Missing: only the prompt counts. And the request's prefix-cache namespace (its tenant's salt,
+replica/block_keys.py) from kwargs["cache_namespace"] (bytes; missing: the shared b""), so
+its prompt is looked up in the replicas' reports, and its affinity keyed, in that namespace
+only. And its LoRA adapter (kwargs["lora_request"] or args[4], an object with a
+`name`): the namespace narrows to the adapter's, and a replica holding the adapter is
+preferred under a load guard (autoscale/lora_affinity.py). Nothing else is read.
 
 Which replica holds the prompt's prefix: the replicas' routing stats carry the stable hashes
 of the blocks their prefix caches can hit (deploy/llm_replica.py, replica/block_hashes.py); the
@@ -65,7 +67,7 @@ from iterserve.autoscale.router_sync import RayHub, RouterSync, hub_name
 from iterserve.autoscale.shuffle import shuffle
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.dashboards.metrics import RouterMetrics
-from iterserve.replica.block_keys import cache_namespace
+from iterserve.replica.block_keys import CacheNamespace, with_adapter
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
 # Requests chosen for but not yet routed whose cache answers are kept (Serve routes a
@@ -89,6 +91,21 @@ def extract_prompt_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> lis
     if not isinstance(candidate[0], int):
         return None
     return list(candidate)
+
+
+def extract_cache_namespace(kwargs: dict[str, Any]) -> CacheNamespace:
+    """The request's prefix-cache namespace (see module docstring); b"" when none."""
+    namespace = kwargs.get("cache_namespace")
+    return namespace if isinstance(namespace, bytes) else b""
+
+
+def request_namespace(pending_request: PendingRequest | None) -> CacheNamespace:
+    """The namespace the request's blocks live in on the replicas: its tenant's, narrowed to
+    its LoRA adapter's (as the engine narrows it: block_keys.with_adapter)."""
+    if pending_request is None:
+        return b""
+    return with_adapter(extract_cache_namespace(pending_request.kwargs),
+                        request_adapter(pending_request.args, pending_request.kwargs))
 
 
 def _max_tokens_of(obj: Any) -> int | None:  # noqa: ANN401
@@ -154,24 +171,24 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     def _prompt(self, pending_request: PendingRequest | None
                 ) -> tuple[list[int] | None, int | None, int]:
         """(the prompt's token ids, prefix-affinity key, KV footprint: prompt + max_tokens);
-        (None, None, 0) when the request carries no token ids."""
+        (None, None, 0) when the request carries no token ids. The affinity key is the
+        prompt's in its cache namespace: another namespace's equal prompt is another key."""
         if pending_request is None:
             return None, None, 0
         token_ids = extract_prompt_token_ids(pending_request.args, pending_request.kwargs)
         if token_ids is None:
             return None, None, 0
         max_tokens = extract_max_tokens(pending_request.args, pending_request.kwargs)
-        key, footprint = self._core.request_key(token_ids, max_tokens)
+        key, footprint = self._core.request_key(
+            token_ids, max_tokens, request_namespace(pending_request))
         return token_ids, key, footprint
 
     def _cached_tokens(self, token_ids: list[int] | None, replica_ids: Sequence[ReplicaID],
-                       loads: Sequence[ReplicaLoad | None], adapter: str | None
+                       loads: Sequence[ReplicaLoad | None], namespace: CacheNamespace
                        ) -> dict[ReplicaID, int] | None:
         if token_ids is None or not self.config.use_replica_cache_reports:
             return None
-        # An adapter's blocks live in its own cache namespace on the replicas: hash it in.
-        return cached_prefix_tokens(token_ids, replica_ids, loads,
-                                    cache_namespace(adapter=adapter))
+        return cached_prefix_tokens(token_ids, replica_ids, loads, namespace)
 
     def _remember_hits(self, request_id: str, hits: dict[ReplicaID, int]) -> None:
         self._hits.pop(request_id, None)  # re-inserted last: the newest
@@ -199,7 +216,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         adapter = (request_adapter(pending_request.args, pending_request.kwargs)
                    if pending_request is not None else None)
         replica_ids = [r.replica_id for r in shuffled]
-        cached = self._cached_tokens(token_ids, replica_ids, loads, adapter)
+        cached = self._cached_tokens(token_ids, replica_ids, loads,
+                                     request_namespace(pending_request))
         ranked = self._core.rank(replica_ids, loads, key, num_tokens, time.time(),
                                  prompt_tokens=len(token_ids or ()), cached_tokens=cached)
         ranked = prefer_adapter_holders(ranked, dict(zip(replica_ids, loads, strict=True)),

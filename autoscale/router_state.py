@@ -26,6 +26,7 @@ from iterserve.autoscale.router_policy import (
 )
 from iterserve.autoscale.router_table import OfferedRows, ScoreTable
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.replica.block_keys import CacheNamespace
 
 
 class KVRouterCore(Generic[R]):
@@ -40,15 +41,19 @@ class KVRouterCore(Generic[R]):
         # The routed-work slots of the last offer asked about, and the meter's slot version
         self._offer_slots: tuple[OfferedRows[R], int, np.ndarray] | None = None
 
-    def request_key(self, token_ids: Sequence[int] | None, max_tokens: int
-                    ) -> tuple[int | None, int]:
-        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, or 0)."""
+    def request_key(self, token_ids: Sequence[int] | None, max_tokens: int,
+                    namespace: CacheNamespace = b"") -> tuple[int | None, int]:
+        """(prefix-affinity key or None, KV footprint: prompt + max_tokens, or 0). The key
+        is the prompt's in its cache namespace (a tenant's salt): another namespace's equal
+        prompt has another key, as its cached blocks are others."""
         if not token_ids:
             return None, 0
         key = None
         if self.config.prefix_affinity:
             key = prefix_hash(token_ids, self.config.prefix_block_size,
                               self.config.prefix_num_blocks)
+            if key is not None and namespace:
+                key = hash((namespace, key))
         return key, len(token_ids) + max_tokens
 
     def rank(self, candidates: Sequence[R], loads: Sequence[ReplicaLoad | None],

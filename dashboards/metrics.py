@@ -35,6 +35,19 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry
 
+from iterserve.dashboards.kv_tier_metrics import (  # re-exported: one place for every name
+    EXTERNAL_PREFIX_CACHE_HITS,
+    EXTERNAL_PREFIX_CACHE_QUERIES,
+    KV_DISK_ERRORS,
+    KV_OFFLOAD_TOTAL_BYTES,
+    KV_OFFLOAD_TOTAL_TIME,
+    KV_TIER_HITS,
+    KV_TIER_METRICS,
+    KV_TIER_QUERIES,
+    LABEL_TRANSFER_TYPE,
+    TRANSFER_TYPES,
+    KVTierRecorder,
+)
 from iterserve.dashboards.sinks import (
     CONTENT_TYPE,
     DEFAULT_PREFIX,
@@ -68,6 +81,16 @@ __all__ = [
     "metrics_text",
     "translate_query",
     "prepare_multiprocess_dir",
+    # the KV tiers' (dashboards/kv_tier_metrics.py)
+    "EXTERNAL_PREFIX_CACHE_HITS",
+    "EXTERNAL_PREFIX_CACHE_QUERIES",
+    "KV_DISK_ERRORS",
+    "KV_OFFLOAD_TOTAL_BYTES",
+    "KV_OFFLOAD_TOTAL_TIME",
+    "KV_TIER_HITS",
+    "KV_TIER_QUERIES",
+    "LABEL_TRANSFER_TYPE",
+    "TRANSFER_TYPES",
 ]
 
 METRIC_PREFIX = DEFAULT_PREFIX  # the name older callers import
@@ -82,11 +105,8 @@ LABEL_FINISHED_REASON = "finished_reason"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LABEL_OUTCOME = "outcome"
 LABEL_STAGE = "stage"  # a replica's start-up stage (replica/startup.py STAGES)
-# vLLM's label on its KV offloading metrics: "GPU_to_CPU" (stores), "CPU_to_GPU" (loads).
-LABEL_TRANSFER_TYPE = "transfer_type"
 # vLLM's lora_requests_info labels: the adapters as comma-joined names
 LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
-TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")  # replica/host_kv_tier.py's, without torch
 # A router sync exchange: done; done but some peer events were dropped before this router
 # read them; or the hub could not be reached.
 SYNC_OUTCOMES = ("ok", "lost", "failed")
@@ -155,19 +175,6 @@ PREFIX_CACHE_QUERIES = _counter(
     "prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.")
 PREFIX_CACHE_HITS = _counter(
     "prefix_cache_hits", "Prefix-cache hits on the device KV cache, in prompt tokens found.")
-# The host KV tier's queries and hits: vLLM's names for the tier below its prefix cache (its
-# KV connectors'); misses are queries - hits.
-EXTERNAL_PREFIX_CACHE_QUERIES = _counter(
-    "external_prefix_cache_queries",
-    "Host KV tier queries, in prompt tokens the device prefix cache missed.")
-EXTERNAL_PREFIX_CACHE_HITS = _counter(
-    "external_prefix_cache_hits", "Host KV tier hits, in prompt tokens copied back.")
-KV_OFFLOAD_TOTAL_BYTES = _counter(
-    "kv_offload_total_bytes", "Bytes of KV blocks copied between the device and the host tier.",
-    labels=(*_ENGINE_LABELS, LABEL_TRANSFER_TYPE))
-KV_OFFLOAD_TOTAL_TIME = _counter(
-    "kv_offload_total_time", "Seconds spent copying KV blocks between the device and the host "
-    "tier.", labels=(*_ENGINE_LABELS, LABEL_TRANSFER_TYPE))
 REQUEST_SUCCESS = _counter(
     "request_success", "Count of finished requests by finish reason.",
     labels=(*_ENGINE_LABELS, LABEL_FINISHED_REASON))
@@ -219,6 +226,22 @@ REPLICA_STARTUP_BYTES_COPIED = _gauge(
     "memory (dequantised or converted weights, parameters, oneDNN's packed copies, the zeroed "
     "KV cache).",
     labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
+# Per tenant, counted by the ingress (dashboards/tenant_metrics.py bounds the label's values).
+LABEL_TENANT = "tenant"
+_TENANT_LABELS = (LABEL_MODEL, LABEL_TENANT)
+TENANT_REQUESTS = _counter(
+    "tenant_requests", "Requests per tenant by outcome: admitted, or rate_limited (a 429 of "
+    "the tenant's quota).", labels=(*_TENANT_LABELS, LABEL_OUTCOME), vllm=False)
+TENANT_PROMPT_TOKENS = _counter(
+    "tenant_prompt_tokens", "Prompt tokens of each tenant's requests.", labels=_TENANT_LABELS,
+    vllm=False)
+TENANT_GENERATION_TOKENS = _counter(
+    "tenant_generation_tokens", "Tokens generated for each tenant.", labels=_TENANT_LABELS,
+    vllm=False)
+TENANT_TIME_TO_FIRST_TOKEN = MetricSpec(
+    "tenant_time_to_first_token_seconds", "histogram", "Time to first token per tenant, as "
+    "the ingress sees it (admitted to first token), in seconds.", _TENANT_LABELS,
+    buckets=TTFT_BUCKETS)
 AUTOSCALER_TARGET_REPLICAS = _gauge(
     "autoscaler_target_replicas", "Replica count the autoscaling policy asked for.",
     labels=(LABEL_MODEL,), mode="mostrecent", vllm=False)
@@ -226,15 +249,15 @@ AUTOSCALER_TARGET_REPLICAS = _gauge(
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC, NUM_PREEMPTIONS,
     NUM_OUT_OF_BLOCKS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
-    EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, KV_OFFLOAD_TOTAL_BYTES,
-    KV_OFFLOAD_TOTAL_TIME, REQUEST_SUCCESS, LORA_REQUESTS_INFO, ITERATION_TOKENS,
+    *KV_TIER_METRICS, REQUEST_SUCCESS, LORA_REQUESTS_INFO, ITERATION_TOKENS,
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME,
     REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
     REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED,
 )
 ALL_METRICS: tuple[MetricSpec, ...] = (
-    *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS)
+    *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS,
+    TENANT_REQUESTS, TENANT_PROMPT_TOKENS, TENANT_GENERATION_TOKENS, TENANT_TIME_TO_FIRST_TOKEN)
 
 
 def metric_name(spec: MetricSpec, suffix: str = "", prefix: str = DEFAULT_PREFIX) -> str:
@@ -288,11 +311,7 @@ class PrometheusStatLogger:
         self._last_out_of_blocks = 0
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
-        self._last_host_queries = 0
-        self._last_host_hits = 0
-        # Per transfer type: the engine's cumulative bytes and seconds at the last record.
-        self._last_offload_bytes: dict[str, float] = {}
-        self._last_offload_seconds: dict[str, float] = {}
+        self._kv_tiers = KVTierRecorder(self._sink, self._labels)
         self._create_series()
 
     def _create_series(self) -> None:
@@ -300,15 +319,11 @@ class PrometheusStatLogger:
         for spec in (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC):
             self._sink.gauge_set(spec, 0.0, self._labels)
         for spec in (NUM_PREEMPTIONS, NUM_OUT_OF_BLOCKS, PROMPT_TOKENS, GENERATION_TOKENS,
-                     PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_QUERIES,
-                     EXTERNAL_PREFIX_CACHE_HITS):
+                     PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS):
             self._sink.counter_inc(spec, 0.0, self._labels)
         for reason in FINISH_REASONS:
             self._sink.counter_inc(REQUEST_SUCCESS, 0.0, self._reason_labels(reason))
-        for transfer_type in TRANSFER_TYPES:
-            labels = {**self._labels, LABEL_TRANSFER_TYPE: transfer_type}
-            for spec in (KV_OFFLOAD_TOTAL_BYTES, KV_OFFLOAD_TOTAL_TIME):
-                self._sink.counter_inc(spec, 0.0, labels)
+        self._kv_tiers.create_series()
 
     def _reason_labels(self, reason: str) -> dict[str, str]:
         return {**self._labels, LABEL_FINISHED_REASON: reason}
@@ -320,20 +335,6 @@ class PrometheusStatLogger:
         if delta:
             self._sink.counter_inc(spec, float(delta), labels or self._labels)
         return current
-
-    def _record_host_tier(self, engine: EngineStats) -> None:
-        """The host KV tier's counters (they stay at 0 without a tier)."""
-        self._last_host_queries = self._inc_cumulative(
-            EXTERNAL_PREFIX_CACHE_QUERIES, engine.host_cache_queries, self._last_host_queries)
-        self._last_host_hits = self._inc_cumulative(
-            EXTERNAL_PREFIX_CACHE_HITS, engine.host_cache_hits, self._last_host_hits)
-        for spec, totals, last in (
-                (KV_OFFLOAD_TOTAL_BYTES, engine.kv_offload_bytes, self._last_offload_bytes),
-                (KV_OFFLOAD_TOTAL_TIME, engine.kv_offload_seconds, self._last_offload_seconds)):
-            for transfer_type, total in totals.items():
-                labels = {**self._labels, LABEL_TRANSFER_TYPE: transfer_type}
-                last[transfer_type] = self._inc_cumulative(
-                    spec, total, last.get(transfer_type, 0.0), labels)
 
     def record(
         self,
@@ -353,7 +354,7 @@ class PrometheusStatLogger:
             PREFIX_CACHE_QUERIES, engine.prefix_cache_queries, self._last_prefix_queries)
         self._last_prefix_hits = self._inc_cumulative(
             PREFIX_CACHE_HITS, engine.prefix_cache_hits, self._last_prefix_hits)
-        self._record_host_tier(engine)
+        self._kv_tiers.record(engine)
         if engine.max_loras:
             sink.gauge_set(LORA_REQUESTS_INFO, engine.timestamp, {
                 **labels, "max_lora": str(engine.max_loras),

@@ -6,8 +6,10 @@ query against a real Prometheus. Metric names come from `metrics.py` only.
 Grafana variables used in queries: ``$model_name`` (multi-value, so ``=~``) and
 ``$__rate_interval``. `Target.requires` names what must be running for the query to return
 data: ``engine`` (any iterserve replica), ``host_tier`` (a replica with a host KV tier:
-kv_offloading_size set), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter: DCGM,
-nvidia_gpu_exporter, or Ray's node metrics on a GPU node).
+kv_offloading_size set), ``disk_tier`` (one with a disk KV tier under it:
+kv_offloading_disk_path set), ``router``, ``autoscaler``, ``gpu`` (an NVML exporter: DCGM,
+nvidia_gpu_exporter, or Ray's node metrics on a GPU node), ``tenants`` (an ingress that has
+served a completion: the per-tenant series appear with the first).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from iterserve.dashboards import metrics as m
 
-REQUIREMENTS = ("engine", "host_tier", "router", "autoscaler", "gpu")
+REQUIREMENTS = ("engine", "host_tier", "disk_tier", "router", "autoscaler", "gpu", "tenants")
 DEFAULT_KV_WATERMARK = 0.9  # the line drawn on the KV-usage panel
 
 
@@ -77,6 +79,16 @@ def _increase_by(spec: m.MetricSpec, by: str) -> str:
     return f"sum by ({by}) (increase({_series(spec)}{SELECTOR}{RATE}))"
 
 
+_DISK_READS = '{model_name=~"$model_name", transfer_type="DISK_to_CPU"}'
+
+
+def _tier_hit_rate(tier: str) -> str:
+    """Prompt tokens one KV tier below the device supplied / looked up there."""
+    selector = f'{{model_name=~"$model_name", tier="{tier}"}}'
+    return (f"sum(rate({_series(m.KV_TIER_HITS)}{selector}{RATE})) / "
+            f"(sum(rate({_series(m.KV_TIER_QUERIES)}{selector}{RATE})) > 0)")
+
+
 LATENCY = Row("Latency", (
     Panel("Time to first token",
           "Arrival to first token, measured in the engine (vLLM semantics).", "s",
@@ -108,13 +120,15 @@ THROUGHPUT = Row("Throughput", (
            Target(_quantile(0.99, m.ITERATION_TOKENS), "p99"))),
     Panel("Prefix-cache hit rate", "Prompt tokens found in the prefix cache / looked up, per "
           "tier: the device KV, then the host KV tier (kv_offloading_size) for what the device "
-          "missed.", "percentunit",
+          "missed, then the disk tier (kv_offloading_disk_path) for what the host missed too.",
+          "percentunit",
           (Target(f"sum(rate({_series(m.PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
                   f"(sum(rate({_series(m.PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
                   "device"),
            Target(f"sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_HITS)}{SELECTOR}{RATE})) / "
                   f"(sum(rate({_series(m.EXTERNAL_PREFIX_CACHE_QUERIES)}{SELECTOR}{RATE})) > 0)",
-                  "host tier", requires="host_tier")),
+                  "host and disk tiers", requires="host_tier"),
+           Target(_tier_hit_rate("disk"), "disk tier", requires="disk_tier")),
           max_value=1.0),
 ))
 
@@ -132,11 +146,21 @@ SCHEDULER = Row("Scheduler and KV cache", (
           "short",
           (Target(_increase_by(m.NUM_PREEMPTIONS, "replica"), "{{replica}} preemptions"),
            Target(_increase_by(m.NUM_OUT_OF_BLOCKS, "replica"), "{{replica}} out of blocks"))),
-    Panel("Host KV tier copies",
+    Panel("KV tier copies",
           "Bytes per second copied out to the host tier (GPU_to_CPU: blocks the device evicted) "
-          "and back (CPU_to_GPU: prefix hits there), all replicas.", "Bps",
+          "and back (CPU_to_GPU: prefix hits there), written to the disk tier (CPU_to_DISK: "
+          "blocks the host tier evicted) and read back (DISK_to_CPU), all replicas.", "Bps",
           (Target(f"sum by (transfer_type) (rate({_series(m.KV_OFFLOAD_TOTAL_BYTES)}{SELECTOR}"
                   f"{RATE}))", "{{transfer_type}}"),)),
+    Panel("Disk KV tier reads and errors",
+          "Seconds per GiB read back from the disk tier (its hits' read time), and blocks "
+          "computed instead of written or read back per interval, by reason (corrupt, "
+          "read_failed, disk_full, write_failed, dropped).", "short",
+          (Target(f"sum(rate({_series(m.KV_OFFLOAD_TOTAL_TIME)}{_DISK_READS}{RATE})) / "
+                  f"(sum(rate({_series(m.KV_OFFLOAD_TOTAL_BYTES)}{_DISK_READS}{RATE})) > 0) "
+                  f"* 2^30", "read s/GiB", requires="disk_tier"),
+           Target(_increase_by(m.KV_DISK_ERRORS, "reason"), "{{reason}}",
+                  requires="disk_tier"))),
 ))
 
 _GPU_UTILISATION = (
@@ -180,5 +204,25 @@ FLEET = Row("Fleet: replicas, router, autoscaler, GPUs", (
           "percent", _GPU_UTILISATION, width=24, max_value=100.0),
 ))
 
-ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET)
+def _by_tenant(spec: m.MetricSpec, extra: str = "") -> str:
+    return f"sum by (tenant{extra}) (rate({_series(spec)}{SELECTOR}{RATE}))"
+
+
+TENANTS = Row("Tenants (the first 32 seen by each ingress; the rest as \"other\")", (
+    Panel("Requests per tenant", "Requests per second each tenant sent: admitted, and refused "
+          "by its quota (429 rate_limit_exceeded).", "reqps",
+          (Target(_by_tenant(m.TENANT_REQUESTS, ", outcome"), "{{tenant}} {{outcome}}",
+                  requires="tenants"),), stacked=True),
+    Panel("Tokens per tenant", "Prompt and generated tokens per second of each tenant's "
+          "requests (what its tokens-per-minute quota counts, / 60).", "tokens/s",
+          (Target(_by_tenant(m.TENANT_PROMPT_TOKENS), "{{tenant}} prompt", requires="tenants"),
+           Target(_by_tenant(m.TENANT_GENERATION_TOKENS), "{{tenant}} generated",
+                  requires="tenants")), stacked=True),
+    Panel("Time to first token per tenant (p95)", "As the ingress sees it: from admission "
+          "(quota granted) to the first token; compare with a tenant's ttft_slo_ms.", "s",
+          (Target(_quantile(0.95, m.TENANT_TIME_TO_FIRST_TOKEN, by="le, tenant"),
+                  "{{tenant}} p95", requires="tenants"),), width=24),
+))
+
+ROWS: tuple[Row, ...] = (LATENCY, THROUGHPUT, SCHEDULER, FLEET, TENANTS)
 

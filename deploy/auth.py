@@ -1,9 +1,11 @@
 """API keys: where they come from and how a request's Bearer token is checked.
 
 Keys come from `--api-key` (repeatable), the env var ITERSERVE_API_KEYS (comma separated) and
-an optional file (one key per line, `#` comments). With no key configured the API is open.
-Keys are compared as HMAC-SHA256 digests against every configured key (`ApiKeyChecker`), and
-are never logged, echoed in errors or shown in a repr.
+an optional keys file (deploy/tenant_file.py: one key per line, `#` comments, optionally with
+its tenant and the tenants' settings). With no key configured the API is open (every request
+is the default tenant's). Keys are compared as HMAC-SHA256 digests against every configured
+key (`ApiKeyChecker`), which answers the key's tenant, and are never logged, echoed in errors
+or shown in a repr.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import hmac
 import os
 import secrets
 from collections.abc import Iterable
-from pathlib import Path
 
 from pydantic import SecretStr
+
+from iterserve.deploy.tenant_file import TenantKeys, read_keys_file
+from iterserve.deploy.tenants import DEFAULT_TENANT
 
 API_KEYS_ENV = "ITERSERVE_API_KEYS"
 
@@ -24,22 +28,18 @@ def load_api_keys(
     keys: Iterable[str | SecretStr] = (),
     key_file: str | None = None,
     env: dict[str, str] | None = None,
-) -> tuple[SecretStr, ...]:
-    """All configured keys: explicit ones, the env var's, the file's; blanks dropped."""
+) -> TenantKeys:
+    """All configured keys with their tenants: the keys file's (with its tenants), then the
+    explicit ones and the env var's (the default tenant's); blanks dropped. ValueError for a
+    missing or malformed keys file (naming the line)."""
     env = os.environ if env is None else env
     found: list[str] = []
     for key in keys:
         found.append(key.get_secret_value() if isinstance(key, SecretStr) else str(key))
     found.extend(env.get(API_KEYS_ENV, "").split(","))
-    if key_file:
-        path = Path(key_file).expanduser()
-        if not path.is_file():
-            raise ValueError(f"API key file {str(path)!r} does not exist")
-        for line in path.read_text().splitlines():
-            if not line.strip().startswith("#"):
-                found.append(line)
     unique = dict.fromkeys(k.strip() for k in found if k.strip())
-    return tuple(SecretStr(k) for k in unique)
+    from_file = read_keys_file(key_file) if key_file else TenantKeys()
+    return from_file.with_keys(tuple(SecretStr(k) for k in unique))
 
 
 class ApiKeyChecker:
@@ -50,9 +50,12 @@ class ApiKeyChecker:
     its length, and every configured key is compared (no early exit on a match).
     """
 
-    def __init__(self, keys: Iterable[SecretStr]) -> None:
+    def __init__(self, keys: Iterable[SecretStr | tuple[SecretStr, str]]) -> None:
+        """keys: bare keys (the default tenant's) or (key, tenant name) pairs."""
         self._salt = secrets.token_bytes(32)
-        self._digests = tuple(self._digest(k.get_secret_value().encode()) for k in keys)
+        pairs = [k if isinstance(k, tuple) else (k, DEFAULT_TENANT) for k in keys]
+        self._digests = tuple(self._digest(k.get_secret_value().encode()) for k, _ in pairs)
+        self._tenants = tuple(tenant for _, tenant in pairs)
 
     def _digest(self, key: bytes) -> bytes:
         return hmac.new(self._salt, key, hashlib.sha256).digest()
@@ -60,20 +63,19 @@ class ApiKeyChecker:
     def __repr__(self) -> str:
         return f"ApiKeyChecker(num_keys={len(self._digests)})"
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
-
-    def allows(self, authorization: str | None) -> bool:
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant of the request's Bearer key; None when it is missing or wrong (the
+        default tenant when no key is configured)."""
         if not self._digests:
-            return True
+            return DEFAULT_TENANT
         if not authorization:
-            return False
+            return None
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
+            return None
         candidate = self._digest(token.strip().encode())
-        ok = False
-        for digest in self._digests:
-            ok |= hmac.compare_digest(candidate, digest)
-        return ok
+        found: str | None = None
+        for digest, tenant in zip(self._digests, self._tenants, strict=True):
+            if hmac.compare_digest(candidate, digest):  # every key compared: no early exit
+                found = tenant
+        return found

@@ -39,8 +39,9 @@ logger = logging.getLogger("iterserve.serve")
 APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
              "downscale_to_zero_delay_s", "startup_s", "max_ongoing_requests",
              "max_queued_requests", "hold_timeout_s", "num_gpus_per_replica", "num_cpus_per_replica",
-             "num_ingress_replicas", "api_key_file", "max_body_bytes", "drain_timeout_s",
-             "max_replicas_per_node", "metrics_prefix", "chat_template", "tool_call_parser")
+             "num_ingress_replicas", "api_key_file", "tenant_cache_isolation", "max_body_bytes",
+             "drain_timeout_s", "max_replicas_per_node", "metrics_prefix", "chat_template",
+             "tool_call_parser")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +95,11 @@ def add_app_flags(group: argparse._ArgumentGroup) -> None:
             if typing.get_origin(info.annotation) is Literal else None
         options = [t for t in typing.get_args(info.annotation) if t is not type(None)]
         kind = info.annotation if not options else options[0]
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=_help(info.description or "", info.default))
+            continue
         kind = str if choices or kind not in (int, float) or name == "num_replicas" else kind
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, choices=choices,
                            default=None,
@@ -110,13 +116,16 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The `AppArgs` dict for build_app (API keys are read here, passed as secrets)."""
+    """The `AppArgs` dict for build_app. The flags' and env var's API keys are read here and
+    passed as secrets; the keys file is parsed here too, so a malformed one stops start-up
+    naming its line, and read again by each ingress (its keys carry their tenants)."""
     from iterserve.deploy.auth import load_api_keys
 
     app: dict[str, Any] = {name: getattr(args, name) for name in APP_FLAGS
                            if getattr(args, name) is not None}
     app["engine_kwargs"] = engine_kwargs_from(args)
-    app["api_keys"] = list(load_api_keys(args.api_key, args.api_key_file))
+    load_api_keys(args.api_key, args.api_key_file)  # raises ValueError naming the bad line
+    app["api_keys"] = [key for key, _ in load_api_keys(args.api_key).keys]
     return app
 
 

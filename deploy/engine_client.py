@@ -34,6 +34,7 @@ from iterserve.deploy.errors import (
     unwrap_ray_error,
 )
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
@@ -63,8 +64,8 @@ class EngineClient(Protocol):
     async def tokenizer(self) -> Tokenizer: ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, lora_request: LoRARequest | None = None
-                 ) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, cache_namespace: CacheNamespace = b"",
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
         """Load or unload an adapter on every replica; OpenAIHTTPError when one refuses."""
@@ -116,10 +117,10 @@ class LocalEngineClient:
             raise refused.to_http()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0,
+                       request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               lora_request)
+                               cache_namespace, lora_request)
         try:
             async for item in stream:
                 if isinstance(item, EngineErrorInfo):
@@ -268,11 +269,14 @@ class HandleEngineClient:
             raise held_too_long(self._hold_timeout_s) from None
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0,
+                       request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """cache_namespace and lora_request travel as keywords: the KV-aware router reads them
+        there (autoscale/router.py) to look the prompt up in the right namespace."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
-                                                      priority, lora_request)
+                                                      priority, cache_namespace=cache_namespace,
+                                                      lora_request=lora_request)
             complete = False
             started = False
             try:

@@ -49,6 +49,8 @@ from iterserve.deploy.schemas_chat import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from iterserve.deploy.tenant_requests import Tenancy, TenantRequest
+from iterserve.deploy.tenants import Caller
 from iterserve.deploy.tool_calls import (
     ToolCallStream,
     ToolOutputParser,
@@ -118,10 +120,23 @@ class Job:
     n: int
     lora: LoRARequest | None = None  # the adapter the request's model names
 
-    def open(self, client: EngineClient, priority: int) -> AsyncIterator[Indexed]:
-        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority, self.lora)
+    def open(self, client: EngineClient, priority: int, tenant: TenantRequest
+             ) -> AsyncIterator[Indexed]:
+        """The merged engine streams, in the tenant's cache namespace (the engine narrows it to
+        the adapter's), metered for the tenant."""
+        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority,
+                                   cache_namespace=tenant.cache_namespace,
+                                   lora_request=self.lora)
                    for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]
-        return merge_streams(streams)
+        return tenant.meter(merge_streams(streams))
+
+    async def admit(self, tenancy: Tenancy | None, caller: Caller | None,
+                    cache_salt: str | None) -> TenantRequest:
+        """The tenant side of this job (a 429 over the tenant's quota): charged its prompts
+        and what every choice may generate."""
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        max_tokens = sum((p.max_tokens or 0) * p.n for p in self.params)
+        return await (tenancy or Tenancy()).begin(caller, cache_salt, prompt_tokens, max_tokens)
 
 
 async def _first(stream: AsyncIterator[Indexed]) -> Indexed | None:
@@ -172,15 +187,18 @@ async def _sse_events(chunks: AsyncIterator[str], stream: AsyncIterator[Indexed]
     yield _sse("[DONE]")
 
 
-def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
+def _streaming_response(events: AsyncIterator[str], headers: dict[str, str]
+                        ) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      **headers})
 
 
 # ----------------------------------------------------------------------------- completions
 
 
 async def create_completion(req: CompletionRequest, client: EngineClient, info: ModelInfo,
+                            tenancy: Tenancy | None = None, caller: Caller | None = None,
                             lora: LoRARequest | None = None
                             ) -> JSONResponse | StreamingResponse:
     tokenizer = await client.tokenizer()
@@ -194,12 +212,13 @@ async def create_completion(req: CompletionRequest, client: EngineClient, info: 
     job = Job(random_id("cmpl"), now_s(), lora.name if lora else info.model_name, prompts,
               params, req.n, lora)
     echo = echo_texts(req, prompts, tokenizer)
-    stream = job.open(client, req.priority)
+    tenant = await job.admit(tenancy, caller, req.cache_salt)
+    stream = job.open(client, req.priority, tenant)
     first = await _first(stream)
     token_text = TokenText(tokenizer)
     if req.stream:
         chunks = _completion_chunks(req, job, echo, token_text, _replay(first, stream))
-        return _streaming_response(_sse_events(chunks, stream))
+        return _streaming_response(_sse_events(chunks, stream), tenant.headers())
     states = {i: ChoiceState() for i in range(len(prompts) * req.n)}
     usage = UsageCounter(scoring_only=_scoring_only(req))
     async for p, out in _replay(first, stream):
@@ -222,7 +241,7 @@ async def create_completion(req: CompletionRequest, client: EngineClient, info: 
                                         prompt_logprobs=prompt_logprobs))
     body = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
                               choices=choices, usage=usage.usage())
-    return JSONResponse(body.model_dump(exclude_none=False))
+    return JSONResponse(body.model_dump(exclude_none=False), headers=tenant.headers())
 
 
 def _scoring_only(req: CompletionRequest) -> bool:
@@ -290,6 +309,7 @@ async def _completion_chunks(req: CompletionRequest, job: Job, echo: list[str],
 
 async def create_chat_completion(req: ChatCompletionRequest, client: EngineClient,
                                  info: ModelInfo, tools: ToolSettings | None = None,
+                                 tenancy: Tenancy | None = None, caller: Caller | None = None,
                                  lora: LoRARequest | None = None
                                  ) -> JSONResponse | StreamingResponse:
     tools = tools or ToolSettings()
@@ -300,14 +320,15 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
     params = sampling_params(req, len(ids), info)
     job = Job(random_id("chatcmpl"), now_s(), lora.name if lora else info.model_name, [ids],
               [params], req.n, lora)
-    stream = job.open(client, req.priority)
+    tenant = await job.admit(tenancy, caller, req.cache_salt)
+    stream = job.open(client, req.priority, tenant)
     first = await _first(stream)
     token_text = TokenText(tokenizer)
     num_top = req.top_logprobs or 0
     reader = ToolOutputParser.for_request(req, tools)
     if req.stream:
         chunks = _chat_chunks(req, job, token_text, reader, _replay(first, stream))
-        return _streaming_response(_sse_events(chunks, stream))
+        return _streaming_response(_sse_events(chunks, stream), tenant.headers())
     states = {i: ChoiceState() for i in range(req.n)}
     usage = UsageCounter()
     async for _, out in _replay(first, stream):
@@ -328,7 +349,7 @@ async def create_chat_completion(req: ChatCompletionRequest, client: EngineClien
         id=job.request_id, created=job.created, model=job.model, choices=choices,
         usage=usage.usage(),
         prompt_logprobs=prompt_logprobs_body(scored, token_text) if scored is not None else None)
-    return JSONResponse(body.model_dump())
+    return JSONResponse(body.model_dump(), headers=tenant.headers())
 
 
 async def _chat_chunks(req: ChatCompletionRequest, job: Job, token_text: TokenText,

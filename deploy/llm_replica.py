@@ -27,6 +27,7 @@ from ray.serve.exceptions import RayServeException
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.lora_adapter import LoRARequest
@@ -149,13 +150,14 @@ class LLMReplica:
             return f"pid-{os.getpid()}"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0,
+                       request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
-        """Stream one request's deltas; early close (disconnect) aborts it."""
+        """Stream one request's deltas; early close (disconnect) aborts it. cache_namespace:
+        the prefix-cache namespace its blocks live in (its tenant's; replica/block_keys.py)."""
         self._num_requests += 1
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               lora_request)
+                               cache_namespace, lora_request)
         complete = False
         try:
             async for item in stream:

@@ -52,6 +52,8 @@ from iterserve.deploy.schemas_tokens import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from iterserve.deploy.tenant_requests import Tenancy
+from iterserve.deploy.tenants import DEFAULT, SUB_TENANT_HEADER, Caller
 from iterserve.deploy.tool_calls import ToolSettings
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -80,6 +82,17 @@ async def read_body(request: Request, model: type[Body], limit: int) -> Body:
         raise from_validation_error(error) from error
 
 
+def caller_of(request: Request, user: str | None) -> Caller:
+    """The request's caller (its key's tenant, left by the key check) with the sub-tenant
+    its header or `user` field names, where its tenant allows one; a 400 for an unknown one."""
+    caller: Caller = getattr(request.state, "caller", None) or Caller(DEFAULT)
+    try:
+        return caller.naming(request.headers.get(SUB_TENANT_HEADER), user)
+    except ValueError as error:
+        param = "user" if caller.tenant.sub_tenant_from == "user" else None
+        raise bad_request(str(error), param=param) from None
+
+
 def check_model(requested: str | None, info: ModelInfo, aliases: Iterable[str],
                 adapters: Iterable[str] = ()) -> None:
     if (requested and requested != info.model_name and requested not in aliases
@@ -103,9 +116,11 @@ def _metrics_text() -> tuple[bytes, str]:
 
 def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
                require_api_key: Callable[[Request], None],
-               tools: ToolSettings | None = None) -> APIRouter:
-    """Every route that needs a key; `tools` are --chat-template and --tool-call-parser."""
+               tools: ToolSettings | None = None, tenancy: Tenancy | None = None) -> APIRouter:
+    """Every route that needs a key; `tools` are --chat-template and --tool-call-parser;
+    `tenancy` the tenants' quotas, cache isolation and metrics (deploy/tenant_requests.py)."""
     tools = tools or ToolSettings()
+    tenancy = tenancy or Tenancy()
     router = APIRouter(dependencies=[Depends(require_api_key)])
     model_aliases = tuple(model_aliases)
     adapters = LoRAAdapters()
@@ -120,14 +135,16 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
         body = await read_body(request, CompletionRequest, limit)
         info = await client.model_info()
         check_model(body.model, info, model_aliases, adapters.all(info))
-        return await create_completion(body, client, info, adapters.request_for(body.model, info))
+        return await create_completion(body, client, info, tenancy, caller_of(request, body.user),
+                                       adapters.request_for(body.model, info))
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, limit)
         info = await client.model_info()
         check_model(body.model, info, model_aliases, adapters.all(info))
-        return await create_chat_completion(body, client, info, tools,
+        return await create_chat_completion(body, client, info, tools, tenancy,
+                                            caller_of(request, body.user),
                                             adapters.request_for(body.model, info))
 
     @router.get("/v1/models")

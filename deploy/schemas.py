@@ -109,6 +109,16 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
+    # vLLM's prefix-cache salt: the request shares cached blocks only with requests of the
+    # same salt (inside its tenant's namespace; deploy/tenants.py).
+    cache_salt: str | None = Field(None, max_length=1024)
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, salt: Any) -> Any:  # noqa: ANN401 - checked here
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return salt
 
     @field_validator("logit_bias")
     @classmethod
@@ -147,7 +157,7 @@ class _SamplingFields(_Body):
 
 
 class PromptTokensDetails(_Out):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (device and host tiers)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (device, host and disk tiers)
 
 
 class UsageInfo(_Out):

@@ -126,7 +126,15 @@ class AppArgs(BaseModel):
         None, description="CPUs per LLMReplica (default: 1 with a GPU, else 0.5)")
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAIIngress replicas")
     api_keys: list[SecretStr] = Field(default_factory=list)
-    api_key_file: str | None = Field(None, description="a file with one API key per line")
+    api_key_file: str | None = Field(
+        None, description="a keys file: one API key per line, optionally followed by its "
+        "tenant, and `tenant NAME key=value ...` lines (weight, priority, tokens_per_minute, "
+        "requests_per_minute, max_concurrent_requests, ttft_slo_ms, cache_share, "
+        "sub_tenant_from, sub_tenants, unknown_sub_tenant; README: Tenants)")
+    tenant_cache_isolation: bool = Field(
+        True, description="salt each tenant's prefix-cache blocks with its name (or its "
+        "cache_share group), so no tenant hits, or can time, another's cached prompt; off: "
+        "every tenant shares one cache (a request's cache_salt still applies)")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024,
                                 description="request body limit (413 beyond it)")
     model_aliases: list[str] = Field(default_factory=list)

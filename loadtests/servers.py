@@ -16,6 +16,7 @@ for half an hour with a 4 GiB CPU KV cache each.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -85,8 +86,31 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **(extra or {}), EXIT_WITH_PARENT_ENV: str(os.getpid())}
 
 
+# Ports handed out here lie below the kernel's ephemeral range and above Ray's worker ports
+# (10002-19999 by default): a port the kernel picked for us (bind to 0) is one it may hand to
+# any of Ray's many sockets in the seconds before our server binds it (a test once failed
+# "Failed to bind 127.0.0.1:41311" so), while nothing binds ports in this band unasked.
+PORT_BAND_LOW = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for servers the tests and load scripts start)."""
+    """A free TCP port on 127.0.0.1 (for servers the tests and load scripts start), chosen
+    at random below the ephemeral range (PORT_BAND_LOW up); an ephemeral one where that band
+    is empty or no port in it is free."""
+    try:
+        band_high = int(_EPHEMERAL_RANGE.read_text().split()[0]) - 1
+    except (OSError, ValueError, IndexError):
+        band_high = PORT_BAND_LOW - 1  # not Linux: no band
+    chooser = random.SystemRandom()
+    for _ in range(64 if band_high > PORT_BAND_LOW else 0):
+        port = chooser.randint(PORT_BAND_LOW, band_high)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

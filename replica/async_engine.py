@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import (
     EngineDeadError,
@@ -88,9 +89,11 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        cache_namespace: CacheNamespace = b"",
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas of every child; raises before yielding on bad input.
+        cache_namespace: where its prefix-cache blocks live (replica/block_keys.py);
         `lora_request`: its adapter, read first (off the engine thread) if not yet served."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
@@ -113,7 +116,8 @@ class AsyncLLMEngine:
             if bound is not None and waiting >= bound:
                 raise QueueFullError(waiting)
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority,
-                               arrival_time=arrival, lora_name=lora_name)
+                               arrival_time=arrival, cache_namespace=cache_namespace,
+                               lora_name=lora_name)
             self._streams[request_id] = stream
 
         try:
@@ -216,6 +220,9 @@ class AsyncLLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         self.engine.constrained.shutdown()  # the grammar-compile threads
+        disk = getattr(self.engine.runner, "disk_tier", None)
+        if disk is not None:  # its queued writes land, so a replica restarted here finds them
+            disk.close(timeout_s=10.0)
 
     # ----------------------------------------------------------------------- engine thread
     def _submit(self, run: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:

@@ -60,6 +60,16 @@ def cache_namespace(**parts: str | None) -> CacheNamespace:
     return "\x1f".join(named).encode()
 
 
+def with_adapter(namespace: CacheNamespace, adapter: str | None) -> CacheNamespace:
+    """`namespace` (a tenant's, or b"") narrowed to a LoRA adapter's blocks: what
+    cache_namespace(salt=..., adapter=...) gives, so the engine and the router, each adding
+    the request's adapter to the namespace it was given, agree."""
+    if not adapter:
+        return namespace
+    parts = dict(part.split("=", 1) for part in namespace.decode().split("\x1f") if part)
+    return cache_namespace(**{**parts, "adapter": adapter})
+
+
 def namespaced(namespace: CacheNamespace, tokens: BlockTokens) -> BlockTokens:
     """A chain's first block's key in `namespace`: the tokens themselves in the shared
     namespace, else the tokens tagged with it (a longer bytes object, or a longer tuple, than

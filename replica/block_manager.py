@@ -12,11 +12,9 @@ one int names the whole prefix up to that block. An int key is hashed in O(1) by
 operation and keeps nothing else alive (a (parent, tokens) tuple key was rehashed by every
 lookup, insertion and eviction, and held its tokens' bytes for as long as it was cached).
 
-With a host KV tier (`host`, replica/host_kv_index.py) a cached block evicted here is stored
-there under the same hash, and a prompt's lookup continues its chain there where the device
-misses: such a hit takes a free block and is copied back before the step that reads it. The
-copies are planned here, during scheduling, and handed to the runner with the step
-(`take_kv_copies`): device -> host first, then host -> device, both before the forward.
+Below the device, a host KV tier and a disk tier under it may keep the blocks evicted here
+(replica/kv_tier_plans.py plans their copies). A prompt's lookup walks its chain block by
+block: the device, then the host tier, then the disk (a disk block is read into a host slot).
 `find_cached_prefix` lists a host hit as a negative number (`host_hit`) beside device ids.
 """
 
@@ -26,6 +24,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
+from iterserve.replica.block_hashes import ROOT, stable_block_hash
 from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
@@ -34,8 +33,10 @@ from iterserve.replica.block_keys import (
     namespaced,
     num_cacheable_blocks,
 )
+from iterserve.replica.disk_kv_tier import DiskKVTier
 from iterserve.replica.free_block_pool import FreeBlockPool
-from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
+from iterserve.replica.host_kv_index import HostKVIndex
+from iterserve.replica.kv_tier_plans import KVTierPlans, host_hit, host_slot
 from iterserve.replica.request import Request
 
 # A request's physical block ids in order: a C int32 array, so a step's input preparation
@@ -52,20 +53,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def host_hit(slot: int) -> int:
-    """A prefix hit in host slot `slot`, as find_cached_prefix lists it (device ids are >= 0)."""
-    return -1 - slot
+__all__ = ["BlockManager", "BlockTable", "host_hit", "host_slot"]
 
 
-def host_slot(hit: int) -> int:
-    """The host slot of a negative prefix hit (the inverse of host_hit)."""
-    return -1 - hit
-
-
-class BlockManager:
+class BlockManager(KVTierPlans):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 host: HostKVIndex | None = None) -> None:
-        """host: the host KV tier's index (None: no tier below this cache)."""
+                 host: HostKVIndex | None = None, disk: DiskKVTier | None = None) -> None:
+        """host: the host KV tier's index (None: no tier below this cache); disk: the disk
+        tier below the host tier (None: none)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -81,16 +76,7 @@ class BlockManager:
         self.num_registered: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there (on the device)
-        self.host = host
-        self.host_queries = 0  # prompt tokens the device missed, looked up in the host tier
-        self.host_hits = 0  # prompt tokens found there
-        # With a host tier: per cached block, its parent's hash and its tokens (what the tier
-        # keeps beside its KV, to announce a block copied back as a computed one is).
-        self.block_origins: list[tuple[BlockHash, BlockTokens] | None] | None = (
-            [None] * num_blocks if host is not None else None)
-        # This step's planned copies: (device block, host slot) stores, (slot, block) loads.
-        self.kv_stores: list[tuple[int, int]] = []
-        self.kv_loads: list[tuple[int, int]] = []
+        self.init_tiers(num_blocks, host, disk)  # the tiers below: replica/kv_tier_plans.py
         # Told of every hash that joins or leaves cached_blocks (`stored` / `evicted`): the
         # replica's index of stable block hashes for routers (replica/block_hashes.py).
         self.cache_listener: PrefixCacheListener | None = None
@@ -139,17 +125,21 @@ class BlockManager:
             packed, tokens = None, request.all_token_ids
         hits: list[int] = []
         key = ROOT_HASH
-        host = self.host
+        host, disk = self.host, self.disk
         namespace = request.cache_namespace
         for i in range(max_blocks):  # block_hash, inlined: once per block of every admission
             if packed is not None:  # the same bytes block_tokens makes of the slice
                 chunk: BlockTokens = packed[i * size * 8 : (i + 1) * size * 8]
             else:
                 chunk = block_tokens(tokens[i * size : (i + 1) * size])
-            key = hash((key, namespaced(namespace, chunk) if i == 0 else chunk))
+            if i == 0:
+                chunk = namespaced(namespace, chunk)
+            parent, key = key, hash((key, chunk))
             block_id = self.cached_blocks.get(key)
             if block_id is None:
                 slot = host.lookup(key) if host is not None else None
+                if slot is None and disk is not None:
+                    slot = self._promote_from_disk(key, parent, chunk, hits)
                 if slot is None:
                     break
                 block_id = host_hit(slot)
@@ -184,7 +174,8 @@ class BlockManager:
             except (OverflowError, TypeError):
                 packed = None  # some block's tokens do not fit: each block converts its own
         cached, keys, listener = self.cached_blocks, self.block_keys, self.cache_listener
-        origins = self.block_origins
+        origins, chain_stable = self.block_origins, self.disk is not None
+        stable = self.stable_chains.get(request.request_id, ROOT) if chain_stable else ROOT
         width = 8 * block_size
         for i in range(start, end):
             if packed is not None:  # block_hash, inlined: this loop runs once per block
@@ -194,6 +185,8 @@ class BlockManager:
             if i == 0:
                 chunk = namespaced(request.cache_namespace, chunk)
             key = hash((parent, chunk))
+            if chain_stable:  # the disk tier names its files by it
+                stable = stable_block_hash(stable, chunk)
             offset += block_size
             block_id = table[i]
             # An identical block may already be cached (two requests computed the same prefix
@@ -203,9 +196,11 @@ class BlockManager:
                 if listener is not None:
                     listener.stored(key, parent, chunk)
                 if origins is not None:
-                    origins[block_id] = (parent, chunk)
+                    origins[block_id] = (parent, chunk, stable)
             parent = key
         self.num_registered[request.request_id] = (end, parent)
+        if chain_stable:
+            self.stable_chains[request.request_id] = stable
 
     @staticmethod
     def _token_range(request: Request, lo: int, hi: int) -> list[int]:
@@ -287,6 +282,8 @@ class BlockManager:
             table.extend(self._take_hits(hits))
             request.num_computed_tokens = len(hits) * self.block_size
             self.num_registered[request.request_id] = (len(hits), self.block_keys[table[-1]])
+            if self.disk is not None:
+                self.stable_chains[request.request_id] = self.stable_hash_of(table[-1])
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > self.free_pool.num_free:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
@@ -306,45 +303,12 @@ class BlockManager:
         return [block if block >= 0 else self._load_from_host(host_slot(block))
                 for block in taken]
 
-    def _load_from_host(self, slot: int) -> int:
-        """A free block that the host tier's block in `slot` is copied into before the step
-        runs; it joins the prefix cache at once, as a computed block would."""
-        entry = self.host.entry(slot)
-        self.host.record_hit(slot)
-        block_id = self._take_free(1)[0]
-        self.block_keys[block_id] = entry.key
-        self.cached_blocks[entry.key] = block_id
-        self.block_origins[block_id] = (entry.parent, entry.tokens)
-        if self.cache_listener is not None:
-            self.cache_listener.stored(entry.key, entry.parent, entry.tokens)
-        self.kv_loads.append((slot, block_id))
-        return block_id
-
-    def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's planned copies, (stores, loads), for the runner to run in that order
-        before the step's forward; the host tier's slots are free to be evicted again."""
-        stores, loads = self.kv_stores, self.kv_loads
-        self.kv_stores, self.kv_loads = [], []
-        if self.host is not None:
-            self.host.unpin_all()
-        return stores, loads
-
-    def record_prefix_lookup(self, num_prompt_tokens: int, hits: Sequence[int]) -> None:
-        """Count a prompt's lookup per tier, in tokens: the device's queries are the prompt,
-        the host tier's the tokens the device missed."""
-        num_host_hits = sum(1 for hit in hits if hit < 0)
-        device_hit_tokens = (len(hits) - num_host_hits) * self.block_size
-        self.prefix_queries += num_prompt_tokens
-        self.prefix_hits += device_hit_tokens
-        if self.host is not None:
-            self.host_queries += num_prompt_tokens - device_hit_tokens
-            self.host_hits += num_host_hits * self.block_size
-
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; cached ones stay findable until reused."""
         rid = request.request_id
         table = self.block_tables.pop(rid, ())
         self.num_registered.pop(rid, None)
+        self.stable_chains.pop(rid, None)
         self.free_pool.release(*self._unreference(table, [], []))
 
     def _unreference(self, table: Sequence[int], uncached: list[int], cached: list[int]
@@ -377,17 +341,6 @@ class BlockManager:
                     self._store_in_host(block_id, key)
             refs[block_id] = 1  # it was free: no table held it
         return taken
-
-    def _store_in_host(self, block_id: int, key: BlockHash) -> None:
-        """A cached block leaving the device goes to the host tier, copied before the step
-        that overwrites it runs (no copy when the tier already holds it, or cannot)."""
-        origin = self.block_origins[block_id]
-        self.block_origins[block_id] = None
-        if origin is None:
-            return
-        slot = self.host.store(HostEntry(key, *origin))
-        if slot is not None:
-            self.kv_stores.append((block_id, slot))
 
     def _take_hit(self, block_id: int) -> int:
         """A cached block, shared with the request that found it in the prefix cache."""

@@ -94,6 +94,15 @@ class CacheConfig:
     kv_offloading_backend: str = setting(
         "native", "the host KV tier's implementation (only native: iterserve's own)",
         choices=KV_OFFLOADING_BACKENDS)
+    # The disk tier below the host tier (replica/disk_kv_tier.py), off by default; LMCache's
+    # local_disk / max_local_disk_size. Blocks the host tier evicts are written there.
+    kv_offloading_disk_path: str | None = setting(
+        None, "folder for a KV tier on local disk below the host tier: blocks the host tier "
+        "evicts are written there (asynchronously) and read back instead of recomputed, also "
+        "by a replica restarted on the same folder; needs kv_offloading_size (default: off)")
+    kv_offloading_disk_size: float = setting(
+        16.0, "GiB the disk KV tier may fill under kv_offloading_disk_path (least recently "
+        "used blocks are deleted beyond it)")
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -119,6 +128,15 @@ class CacheConfig:
             _require(self.enable_prefix_caching,
                      "kv_offloading_size needs enable_prefix_caching: the host KV tier keeps "
                      "prefix-cache blocks under their hash chain")
+        if self.kv_offloading_disk_path is not None:
+            _require(size is not None,
+                     "kv_offloading_disk_path needs kv_offloading_size: the disk tier keeps the "
+                     "blocks the host KV tier evicts")
+            _require(self.kv_offloading_disk_path != "",
+                     "kv_offloading_disk_path must name a folder; leave it unset for no disk tier")
+        _require(not isinstance(self.kv_offloading_disk_size, str | bool)
+                 and self.kv_offloading_disk_size > 0,
+                 f"kv_offloading_disk_size must be > 0 GiB, got {self.kv_offloading_disk_size!r}")
 
 
 @dataclass(frozen=True)

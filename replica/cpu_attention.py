@@ -10,7 +10,8 @@ core. On a CPU that loop was 30-40 % of a 32-sequence decode step (BENCHMARKS.md
   pairs. The pairs come from the runner's host arrays (`decode_work`), through
   AttentionMetadata.split_work, once per step.
 * prefill chunks run torch's fused SDPA (flash attention on CPU), each over its context
-  gathered from its blocks, with a bottom-right causal mask when a cached prefix precedes it.
+  gathered from its blocks; a chunk after a cached prefix as two flash calls (the prefix
+  unmasked, its own keys causal) merged by log-sum-exp, rather than one with a mask.
 * the K cache is stored block-transposed, [N, Hkv, D, B], and handed out as the [N, B, Hkv, D]
   view every op takes: the decode scores then vectorise over a block's 16 tokens instead of
   reducing 64-wide dot products one at a time (measured 2x). Block ids, prefix caching and
@@ -262,10 +263,10 @@ class CpuAttention:
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_tables: torch.Tensor, scale: float, out: torch.Tensor,
                       first: int) -> None:
-        """Each sequence from `first` on (the prefill chunks): SDPA over its gathered context.
-        The chunk's queries are the last q_len positions of that context, so query j sees
-        keys 0 .. L - q_len + j: is_causal (top-left) when the chunk is the whole context,
-        else the bottom-right mask."""
+        """Each sequence from `first` on (the prefill chunks): flash attention over its
+        context gathered from its blocks. The chunk's queries are the last q_len positions of
+        that context: is_causal when the chunk is the whole context, else
+        `chunk_after_prefix`."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         starts = query_start_loc.tolist()
         for i, seq_len in enumerate(seq_lens.tolist()[first:], start=first):
@@ -276,13 +277,35 @@ class CpuAttention:
             blocks = block_tables[i, : -(-seq_len // block_size)].long()
             keys = torch.index_select(k_cache, 0, blocks).view(-1, num_kv_heads, head_dim)
             values = torch.index_select(v_cache, 0, blocks).view(-1, num_kv_heads, head_dim)
-            mask = None
-            if seq_len > q_len:  # [q_len, L]: query j sees keys up to L - q_len + j
-                mask = torch.ones((q_len, seq_len), dtype=torch.bool).tril(seq_len - q_len)
             # 4-D views with the head dim innermost select the flash kernel; 3-D ones do not.
-            o = F.scaled_dot_product_attention(
-                query[q_start:q_end].transpose(0, 1)[None],  # [1, Hq, q_len, D]
-                keys[:seq_len].transpose(0, 1)[None],  # [1, Hkv, L, D]
-                values[:seq_len].transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            q = query[q_start:q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+            k = keys[:seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            v = values[:seq_len].transpose(0, 1)[None]
+            if seq_len > q_len:
+                o = chunk_after_prefix(q, k, v, seq_len - q_len, scale)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
             out[q_start:q_end] = o[0].transpose(0, 1)  # [q_len, Hq, D]
+
+
+def chunk_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                       scale: float) -> torch.Tensor:  # [1, Hq, q_len, D]
+    """Attention of a chunk's queries (q: [1, Hq, q_len, D]) over a context (k, v:
+    [1, Hkv, L, D]) whose first prefix_len positions precede the chunk: query j sees keys up
+    to prefix_len + j (the bottom-right causal mask). Computed as two flash calls, the whole
+    prefix unmasked and the chunk's own keys causal, merged by their log-sum-exps: a [q_len, L]
+    mask would make the kernel read a mask element per score and compute the chunk's masked
+    upper triangle (1.12-1.17x slower at q_len 512 after 1500-3000 cached, 1.47x at 2048
+    after 2048: loadtests/studies/engine_speed). torch's flash op on CPU takes grouped K/V
+    heads as SDPA's enable_gqa does."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    prefix_out, prefix_lse = flash(q, k[:, :, :prefix_len], v[:, :, :prefix_len],
+                                   scale=scale)[:2]  # [1, Hq, q_len, D], [1, Hq, q_len]
+    own_out, own_lse = flash(q, k[:, :, prefix_len:], v[:, :, prefix_len:], is_causal=True,
+                             scale=scale)[:2]
+    top = torch.maximum(prefix_lse, own_lse)
+    prefix_weight = torch.exp(prefix_lse - top)[..., None]  # [1, Hq, q_len, 1]
+    own_weight = torch.exp(own_lse - top)[..., None]
+    merged = prefix_out * prefix_weight + own_out * own_weight
+    return (merged / (prefix_weight + own_weight)).to(q.dtype)

@@ -32,6 +32,7 @@ from iterserve.replica.stats import (
 if TYPE_CHECKING:
     from iterserve.replica.block_manager import BlockManager
     from iterserve.replica.config import EngineConfig
+    from iterserve.replica.disk_kv_tier import DiskKVTier
     from iterserve.replica.host_kv_tier import HostKVTier
     from iterserve.replica.runner_base import Runner
     from iterserve.replica.scheduler import Scheduler
@@ -59,6 +60,7 @@ class EngineStatsReporting:
             self.block_manager.cache_listener = self._block_hashes
         # Only the model runner has a host KV tier (and only when kv_offloading_size is set).
         self._host_tier: HostKVTier | None = getattr(self.runner, "host_tier", None)
+        self._disk_tier: DiskKVTier | None = getattr(self.runner, "disk_tier", None)
 
     def cached_block_hashes(self) -> list[int] | None:
         """The stable hashes (`block_hashes`) of the blocks in the prefix cache now, or
@@ -76,6 +78,7 @@ class EngineStatsReporting:
             self._recent_steps.popleft()
         recent_tokens = sum(tokens for _, tokens in self._recent_steps)
         manager = self.block_manager
+        offload_bytes, offload_seconds, disk_errors = self._tier_copies()
         return EngineStats(
             timestamp=time.time(),
             num_running=self.scheduler.num_running,
@@ -93,12 +96,26 @@ class EngineStatsReporting:
             prefix_cache_hits=manager.prefix_hits,
             host_cache_queries=manager.host_queries,
             host_cache_hits=manager.host_hits,
-            kv_offload_bytes=dict(self._host_tier.bytes_copied) if self._host_tier else {},
-            kv_offload_seconds=dict(self._host_tier.copy_seconds) if self._host_tier else {},
+            kv_offload_bytes=offload_bytes,
+            kv_offload_seconds=offload_seconds,
+            disk_cache_queries=manager.disk_queries,
+            disk_cache_hits=manager.disk_hits,
+            disk_errors=disk_errors,
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
             finished_by_reason=dict(self.finished_by_reason),
             **self._lora_stats(),
         )
+
+    def _tier_copies(self) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
+        """Bytes and seconds copied per transfer type (host tier, then disk tier), and the
+        disk tier's errors; empty without tiers."""
+        if self._host_tier is None:
+            return {}, {}, {}
+        copied, seconds = dict(self._host_tier.bytes_copied), dict(self._host_tier.copy_seconds)
+        if self._disk_tier is None:
+            return copied, seconds, {}
+        disk_copied, disk_seconds, errors = self._disk_tier.counters()
+        return {**copied, **disk_copied}, {**seconds, **disk_seconds}, errors
 
     def _lora_stats(self) -> dict[str, object]:
         """EngineStats' LoRA fields: the adapters running and waiting (none without LoRA)."""

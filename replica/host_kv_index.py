@@ -23,6 +23,7 @@ overwritten by a store planned in the same step (the runner runs the step's stor
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from iterserve.replica.block_keys import BlockHash, BlockTokens
@@ -33,11 +34,13 @@ PROTECTED_FRACTION = 0.8  # of the slots, at most, hold blocks hit at least once
 @dataclass(frozen=True, slots=True)
 class HostEntry:
     """One block in the host tier: its chain hash, its parent's, and its tokens (so that a
-    block copied back can be announced to the router's hash index like a computed one)."""
+    block copied back can be announced to the router's hash index like a computed one); with
+    a disk tier also its stable chain hash (replica/block_hashes.py), its file's name."""
 
     key: BlockHash
     parent: BlockHash
     tokens: BlockTokens
+    stable: int = 0
 
 
 class HostKVIndex:
@@ -54,6 +57,8 @@ class HostKVIndex:
         self._empty = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
         self._pinned: set[int] = set()
         self.num_evicted = 0  # blocks that left the tier to make room
+        # Told of each block evicted, with the slot it leaves (the disk tier writes it out).
+        self.eviction_listener: Callable[[int, HostEntry], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -123,6 +128,8 @@ class HostKVIndex:
                     entry = self._entries[slot]
                     if entry is not None:
                         del self._slot_of[entry.key]
+                        if self.eviction_listener is not None:
+                            self.eviction_listener(slot, entry)
                     self._entries[slot] = None
                     self.num_evicted += 1
                     return slot

@@ -83,6 +83,12 @@ class HostKVTier:
     def nbytes(self) -> int:
         return self.num_slots * self.bytes_per_block
 
+    def layout_signature(self) -> str:
+        """How a block's bytes are laid out in a slot (shape and strides of K and V), part of
+        the disk tier's key: another layout never reads these bytes."""
+        return ";".join(f"{tuple(t.shape[1:])}/{t.stride()}/{t.dtype}"
+                        for t in (self.keys[0], self.values[0]))
+
     def _slots_like(self, cache: torch.Tensor, num_slots: int) -> torch.Tensor:
         """[num_slots, B, Hkv, D] on the host with the cache's strides (block-major in both
         layouts the engine uses: the block-transposed CPU K cache and the contiguous one)."""
@@ -107,6 +113,42 @@ class HostKVTier:
             return
         self._copy(HOST_TO_DEVICE, kv_caches, [block for _, block in copies],
                    [slot for slot, _ in copies])
+
+    # ------------------------------------------------------------------ slot bytes (disk)
+    def _rows(self, slot: int) -> list[torch.Tensor]:
+        """The slot's block in every layer, K then V, as contiguous rows of bytes."""
+        rows = []
+        for host_k, host_v in zip(self.keys, self.values, strict=True):
+            rows += [block_major(host_k)[slot], block_major(host_v)[slot]]
+        return [row.reshape(-1).view(torch.uint8) for row in rows]
+
+    def read_slot(self, slot: int) -> bytes:
+        """The slot's bytes (every layer's K and V block, in order), for the disk tier. On
+        CUDA the side stream's copies are waited for first: a store may still be landing."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        return torch.cat(self._rows(slot)).numpy().tobytes()
+
+    @staticmethod
+    def read_device_block(kv_caches: Sequence[KVCache], block: int) -> bytes:
+        """A device block's bytes in read_slot's order (the slots share the caches' layout)."""
+        rows = []
+        for k_cache, v_cache in kv_caches:
+            rows += [block_major(k_cache)[block], block_major(v_cache)[block]]
+        return torch.cat([row.reshape(-1).view(torch.uint8) for row in rows]).cpu().numpy().tobytes()
+
+    def write_slot(self, slot: int, payload: bytes) -> None:
+        """Fill the slot with bytes read_slot made (a block read back from disk)."""
+        if len(payload) != self.bytes_per_block:
+            raise ValueError(f"a block payload of {len(payload)} bytes, expected "
+                             f"{self.bytes_per_block}")
+        if self._stream is not None:
+            self._stream.synchronize()
+        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for row in self._rows(slot):
+            row.copy_(source[offset : offset + row.numel()])
+            offset += row.numel()
 
     def _copy(self, direction: str, kv_caches: Sequence[KVCache], blocks: list[int],
               slots: list[int]) -> None:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from iterserve.replica.block_keys import cache_namespace
+from iterserve.replica.block_keys import CacheNamespace, with_adapter
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.constrained_requests import ConstrainedRequests
@@ -89,7 +89,8 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
             self.block_manager = BlockManager(self.runner.num_kv_blocks(),
                                               config.cache.block_size,
                                               config.cache.enable_prefix_caching,
-                                              self._host_kv_index(config))
+                                              self._host_kv_index(config),
+                                              getattr(self.runner, "disk_tier", None))
             self.scheduler = Scheduler(config.scheduler, self.block_manager, clock,
                                        plans_ahead=bool(config.async_scheduling),
                                        max_loras=config.max_loras if config.enable_lora else 0)
@@ -134,10 +135,13 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_namespace: CacheNamespace = b"",
         lora_name: str | None = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises ValueError;
-        `lora_name` not registered raises UnknownAdapterError."""
+        `lora_name` not registered raises UnknownAdapterError. cache_namespace: the
+        prefix-cache namespace of its blocks (replica/block_keys.py), narrowed here to its
+        adapter's."""
         params = sampling_params or SamplingParams()
         self.check_lora_name(lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
@@ -161,7 +165,7 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                 index=i,
                 parent_id=request_id,
                 lora_name=lora_name,
-                cache_namespace=cache_namespace(adapter=lora_name),
+                cache_namespace=with_adapter(cache_namespace, lora_name),
             )
             for i in range(params.n)
         ]

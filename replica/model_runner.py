@@ -20,6 +20,7 @@ from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
+from iterserve.replica.disk_kv_tier import DiskKVTier, block_layout_identity, open_disk_tier
 from iterserve.replica.errors import DeviceFaultError
 from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
@@ -116,6 +117,18 @@ class ModelRunner:
                 self.host_tier = HostKVTier(slots, self.kv_caches)
                 logger.info("host KV tier: %d blocks (%.2f GiB)", slots,
                             self.host_tier.nbytes / 2**30)
+            # The disk tier below the host tier (off by default): its files, found again.
+            self.disk_tier: DiskKVTier | None = None
+            if config.cache.kv_offloading_disk_path is not None:
+                identity = block_layout_identity(  # load_dummy's weights: seed 0
+                    repr(self.model_config), None if dummy else weight_files_of(model_path),
+                    str(self.dtype), self.block_size, self.host_tier.layout_signature())
+                self.disk_tier = open_disk_tier(
+                    config.cache.kv_offloading_disk_path, config.cache.kv_offloading_disk_size,
+                    identity, self.host_tier.bytes_per_block)
+                logger.info("disk KV tier: %s, %d blocks (%.2f GiB) found from earlier runs",
+                            self.disk_tier.store.directory, len(self.disk_tier),
+                            self.disk_tier.used_bytes / 2**30)
         if self.cpu_attention is not None:
             with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
                 mc = self.model_config
@@ -285,19 +298,31 @@ class ModelRunner:
         return [scheduler_output.scheduled[i].request for i in prepared.sample_rows], logits
 
     def _copy_kv_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's host-tier copies, before its forward: evicted blocks out first (a
-        block copied back may land in one of them), then the hits back in."""
-        tier = self.host_tier
-        if tier is None or not (scheduler_output.kv_stores or scheduler_output.kv_loads):
+        """The step's tier copies, before its forward: host blocks the host tier evicted read
+        out for the disk (before anything overwrites their slots), evicted device blocks out
+        (a block copied back may land in one of them), blocks read from disk into host
+        slots, then the hits back in. The disk writes themselves run on the disk tier's
+        writer thread."""
+        tier, out = self.host_tier, scheduler_output
+        if tier is None or not (out.kv_stores or out.kv_loads or out.kv_spills
+                                or out.kv_disk_loads):
             return
         try:
-            tier.store(self.kv_caches, scheduler_output.kv_stores)
-            tier.load(self.kv_caches, scheduler_output.kv_loads)
+            spilled = [(spill.stable, tier.read_slot(spill.host_slot)
+                        if spill.host_slot is not None
+                        else tier.read_device_block(self.kv_caches, spill.device_block))
+                       for spill in out.kv_spills]
+            tier.store(self.kv_caches, out.kv_stores)
+            for slot, payload in out.kv_disk_loads:
+                tier.write_slot(slot, payload)
+            tier.load(self.kv_caches, out.kv_loads)
         except Exception as error:  # noqa: BLE001 - re-raised as a fault of the whole step
             # Not one request's fault: fault isolation would rerun the requests one by one
             # without these copies, and a hit whose blocks never arrived would read stale KV.
             # Stopping the step is the only answer that never yields a wrong token.
             raise DeviceFaultError(f"host KV tier copy failed: {error!r}") from error
+        for stable, payload in spilled:
+            self.disk_tier.write_async(stable, payload)
 
     def _score_prompt_logprobs(self, scheduler_output: SchedulerOutput,
                                prepared: PreparedInputs, hidden: torch.Tensor,

@@ -12,9 +12,13 @@ known; see `replica/llm_engine.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from iterserve.replica.logprobs import PromptLogprobsChunk, TokenLogprobs
 from iterserve.replica.request import Request
+
+if TYPE_CHECKING:
+    from iterserve.replica.kv_tier_plans import DiskSpill
 
 
 @dataclass(slots=True)
@@ -58,7 +62,7 @@ class SchedulerOutput:
 
     `scheduled` holds decodes first, then prefill chunks, in the order the runner lays them
     out. `preempted` is informational: those requests' blocks were already freed. A runner
-    runs `kv_stores`, then `kv_loads`, then the forward.
+    runs `kv_spills`, `kv_stores`, `kv_disk_loads`, `kv_loads`, then the forward.
     The sum of `num_new_tokens` is at most max_num_batched_tokens and len(scheduled) at
     most max_num_seqs.
     """
@@ -71,6 +75,11 @@ class SchedulerOutput:
     # block). Empty without a host KV tier.
     kv_stores: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier's part (empty without one): host slots whose evicted block goes to disk
+    # (kv_tier_plans.DiskSpill), read before this step's stores overwrite them; blocks read
+    # back from disk into host slots (slot, payload), written before the loads copy them on.
+    kv_spills: list[DiskSpill] = field(default_factory=list)
+    kv_disk_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

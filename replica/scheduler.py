@@ -238,7 +238,10 @@ class Scheduler:
             budget = self._admit_waiting(output, budget)
         budget = self.batching.schedule_padding(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
+        if not output.is_empty:  # an empty step may not run (async scheduling): its copies
+            # (blocks read from disk for a request not admitted) wait, pinned, for the next
+            output.kv_spills, output.kv_disk_loads = self.block_manager.take_disk_copies()
+            output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
         return output
 
     def _plannable(self, request: Request) -> bool:

@@ -46,6 +46,13 @@ class EngineStats:
     host_cache_hits: int = 0
     kv_offload_bytes: dict[str, int] = field(default_factory=dict)
     kv_offload_seconds: dict[str, float] = field(default_factory=dict)
+    # The disk tier below the host tier (0 and empty without one): prompt tokens the device
+    # and the host missed, those read back from disk, and the blocks computed instead of
+    # written or read back, by reason (replica/disk_kv_tier.py DISK_ERRORS). Its copies are
+    # in kv_offload_bytes / _seconds under "CPU_to_DISK" and "DISK_to_CPU".
+    disk_cache_queries: int = 0
+    disk_cache_hits: int = 0
+    disk_errors: dict[str, int] = field(default_factory=dict)
     max_waiting_requests: int | None = None
     # cumulative requests ended per finish reason (each counted once, when it ends)
     finished_by_reason: dict[str, int] = field(default_factory=dict)

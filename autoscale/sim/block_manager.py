@@ -15,7 +15,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-from iterserve.replica.block_keys import ROOT_HASH, BlockTokens, block_tokens
+from iterserve.replica.block_keys import ROOT_HASH, BlockTokens, block_tokens, namespaced
 from iterserve.replica.block_manager import BlockManager, BlockTable
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.request import Request
@@ -179,6 +179,8 @@ class SimBlockManager(BlockManager):
                 return i
             run = runs[i]
             chunk = run if isinstance(run, bytes) else block_tokens(run)
+            if first == 0:  # a chain's first block: keyed in the request's namespace
+                chunk = namespaced(request.cache_namespace, chunk)
             key = hash((parent, chunk))
             block_id = table[first]
             if keys[block_id] is None and cached.setdefault(key, block_id) == block_id:

@@ -30,6 +30,7 @@ from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
+from iterserve.autoscale.sim.prefix import prompt_namespace
 from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 
 InFlightSource = Literal["own-tracker", "caller-views"]
@@ -66,7 +67,8 @@ class IterserveRouter:
         pending = self._pending
         if pending is not None and pending[0] == request.request_id:
             return pending[1], pending[2]
-        key, tokens = self.core.request_key(request.prompt_token_ids, request.max_tokens)
+        prompt = request.prompt_token_ids
+        key, tokens = self.core.request_key(prompt, request.max_tokens, prompt_namespace(prompt))
         self._pending = (request.request_id, key, tokens)
         return key, tokens
 

@@ -16,10 +16,18 @@ from iterserve.autoscale.sim.prompts import SyntheticPrompt
 from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
+    CacheNamespace,
     block_hash,
     block_tokens,
+    namespaced,
     num_cacheable_blocks,
 )
+
+
+def prompt_namespace(token_ids: Sequence[int]) -> CacheNamespace:
+    """The cache namespace a prompt's blocks live in: a SyntheticPrompt's own (its tenant's
+    salt), else the shared one."""
+    return token_ids.cache_namespace if isinstance(token_ids, SyntheticPrompt) else b""
 
 
 class PromptBlockKeys:
@@ -38,7 +46,8 @@ class PromptBlockKeys:
             return None
         keys = self._keys
         if not keys:
-            keys.append(block_hash(ROOT_HASH, block_tokens(token_ids[: self.block_size])))
+            first = block_tokens(token_ids[: self.block_size])
+            keys.append(block_hash(ROOT_HASH, namespaced(prompt_namespace(token_ids), first)))
         return keys[0]
 
     def _start(self, token_ids: Sequence[int]) -> None:
@@ -56,8 +65,12 @@ class PromptBlockKeys:
         n = 0
         while n < self._max_blocks:
             if n == len(keys):
-                parent = keys[-1] if keys else ROOT_HASH
-                keys.append(block_hash(parent, block_tokens(token_ids[n * size : (n + 1) * size])))
+                chunk = block_tokens(token_ids[n * size : (n + 1) * size])
+                if keys:
+                    keys.append(block_hash(keys[-1], chunk))
+                else:  # the first block's key is in the prompt's namespace
+                    keys.append(block_hash(ROOT_HASH,
+                                           namespaced(prompt_namespace(token_ids), chunk)))
             if keys[n] not in cached:
                 break
             n += 1
@@ -100,7 +113,8 @@ class ClusterPrefixCache:
             h = self.keys.first_key(token_ids)
         elif len(token_ids) + max_tokens >= size:  # the first block ends in generated tokens
             first = tuple(token_ids) + (output_token_id,) * (size - len(token_ids))
-            h = block_hash(ROOT_HASH, block_tokens(first))
+            h = block_hash(ROOT_HASH, namespaced(prompt_namespace(token_ids),
+                                                 block_tokens(first)))
         else:
             return
         sent = self._sent.get(h)

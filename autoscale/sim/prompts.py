@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from iterserve.replica.block_keys import CacheNamespace
+
 UNIQUE_BASE = 1 << 31  # own tokens: ids in [2^31, 2^31 + 2^30 + 2^16), above any vocabulary
 
 
@@ -39,18 +41,28 @@ class SyntheticPrompt(Sequence):
     another prompt's prefix, as a chat's next turn holds this one), so no other request can
     find its cache blocks from the first one holding an own token on: the simulated replica
     hashes those blocks only if the request is preempted (`SimBlockManager.mark_private`).
+
+    cache_namespace: the prefix-cache namespace its blocks live in (its tenant's salt:
+    replica/block_keys.py; b"" the shared one): the simulated replicas and the cluster's
+    prefix index key its first block in it, as the engine keys a request's.
     """
 
-    __slots__ = ("prefix", "unique_start", "num_unique", "private")
+    __slots__ = ("prefix", "unique_start", "num_unique", "private", "cache_namespace")
 
     def __init__(self, prefix: tuple[int, ...], unique_start: int, num_unique: int,
-                 private: bool = False) -> None:
+                 private: bool = False, cache_namespace: CacheNamespace = b"") -> None:
         if num_unique < 0:
             raise ValueError("num_unique must be >= 0")
         self.prefix = prefix
         self.unique_start = unique_start
         self.num_unique = num_unique
         self.private = private
+        self.cache_namespace = cache_namespace
+
+    def in_namespace(self, cache_namespace: CacheNamespace) -> SyntheticPrompt:
+        """The same prompt (its prefix shared by reference) in another cache namespace."""
+        return SyntheticPrompt(self.prefix, self.unique_start, self.num_unique, self.private,
+                               cache_namespace)
 
     def first_private_block(self, block_size: int) -> int | None:
         """The index of its first cache block that holds an own token, if it is private."""
@@ -98,12 +110,12 @@ class SyntheticPrompt(Sequence):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SyntheticPrompt):
-            return (self.prefix, self.unique_start, self.num_unique) == (
-                other.prefix, other.unique_start, other.num_unique)
+            return (self.prefix, self.unique_start, self.num_unique, self.cache_namespace) == (
+                other.prefix, other.unique_start, other.num_unique, other.cache_namespace)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self.prefix, self.unique_start, self.num_unique))
+        return hash((self.prefix, self.unique_start, self.num_unique, self.cache_namespace))
 
     def __repr__(self) -> str:
         return (f"SyntheticPrompt(prefix={len(self.prefix)} tokens, "

@@ -45,9 +45,10 @@ def _prompt(i: int, head: tuple[int, ...], num_unique: int, private: bool = True
 
 
 def _request(i: int, t: float, prompt: Sequence[int], max_tokens: int, rng: random.Random,
-             name: str, session: str | None = None) -> WorkloadRequest:
+             name: str, session: str | None = None, tenant: str | None = None
+             ) -> WorkloadRequest:
     return WorkloadRequest(f"{name}-{i}", t, prompt, max_tokens, session,
-                           output_token_id=rng.randrange(*VOCAB))
+                           output_token_id=rng.randrange(*VOCAB), tenant=tenant)
 
 
 def steady(rate: float, duration_s: float, seed: int = 0) -> list[WorkloadRequest]:
@@ -110,7 +111,7 @@ def multi_tenant(rate: float, duration_s: float, seed: int = 0, tenants: int = 1
         tenant = rng.choices(range(tenants), weights=zipf)[0]
         prompt = _prompt(i, contexts[tenant], rng.randint(1000, 2000))
         out.append(_request(i, t, prompt, rng.randint(64, 256), rng, "tenants",
-                            f"tenant-{tenant}"))
+                            f"tenant-{tenant}", tenant=f"tenant-{tenant}"))
     return out
 
 

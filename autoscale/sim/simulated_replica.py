@@ -171,7 +171,8 @@ class SimulatedReplica:
         if isinstance(prompt, SyntheticPrompt):
             # It stands in for the list (see its docstring): a list would make ~1k int
             # objects a request, whose churn scatters the heap that the caches' keys live in.
-            request = Request(spec.request_id, prompt, params, now)  # type: ignore[arg-type]
+            request = Request(spec.request_id, prompt, params, now,  # type: ignore[arg-type]
+                              cache_namespace=prompt.cache_namespace)
             bm = self.block_manager
             if bm.enable_prefix_caching:
                 if self.config.lazy_private_blocks:

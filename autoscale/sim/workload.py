@@ -48,6 +48,7 @@ class WorkloadRequest:
     session_id: str | None = None
     output_token_id: int = 1
     kind: str = ""
+    tenant: str | None = None  # whose request (multi-tenant): `tenant_salt` salts by it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

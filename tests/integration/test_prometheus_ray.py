@@ -62,7 +62,8 @@ def _record_with_ray_backend() -> bool:
     engine = Record(num_running=3, num_waiting=1, kv_usage=0.25, num_preemptions=2,
                     num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
                     host_cache_queries=0, host_cache_hits=0, kv_offload_bytes={},
-                    kv_offload_seconds={}, max_loras=0)
+                    kv_offload_seconds={}, disk_cache_queries=0, disk_cache_hits=0,
+                    disk_errors={}, max_loras=0)
     step = Record(num_prompt_tokens=40, num_generation_tokens=4, time_to_first_tokens_s=[0.2],
                   inter_token_latencies_s=[0.03])
     logger.record(engine, step, [])

@@ -68,7 +68,7 @@ class FakeHandle:
     def options(self, **_: Any) -> FakeHandle:
         return self
 
-    def remote(self, *_: Any) -> FakeStream:
+    def remote(self, *_: Any, **__: Any) -> FakeStream:
         stream = FakeStream(self.scripts[min(self.calls, len(self.scripts) - 1)])
         self.calls += 1
         return stream

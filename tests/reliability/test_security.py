@@ -127,9 +127,9 @@ def test_keys_never_logged_or_echoed_in_process(captured_logs: _Capture) -> None
 
 def test_reprs_and_dumps_hide_keys() -> None:
     keys = load_api_keys([API_KEY], env={"ITERSERVE_API_KEYS": OTHER_KEY})
-    settings = IngressSettings(api_keys=keys)
+    settings = IngressSettings(api_keys=keys.keys, tenants=keys.tenants)
     args = AppArgs.model_validate({"api_keys": [API_KEY, OTHER_KEY]})
-    texts = [repr(keys), str(keys), repr(settings), repr(ApiKeyChecker(keys)), repr(args),
+    texts = [repr(keys), str(keys), repr(settings), repr(ApiKeyChecker(keys.keys)), repr(args),
              str(args), args.model_dump_json(), str(args.model_dump())]
     assert not leaked(texts), leaked(texts)
 
@@ -147,11 +147,11 @@ def test_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> Non
     checker = ApiKeyChecker(keys)
     for token, expected in (("sk-key-0", True), ("sk-key-3", True), ("sk-nope", False)):
         calls.clear()
-        assert checker.allows(f"Bearer {token}") is expected
+        assert (checker.tenant_of(f"Bearer {token}") is not None) is expected
         assert len(calls) == len(keys), "must compare with every key: no early exit"
         assert all(isinstance(a, bytes) and isinstance(b, bytes) for a, b in calls)
     calls.clear()
-    assert not checker.allows(None) and not checker.allows("") and not checker.allows("Bearer ")
+    assert all(checker.tenant_of(refused) is None for refused in (None, "", "Bearer "))
 
 
 def test_body_limit_enforced_before_tokenising() -> None:

@@ -124,19 +124,20 @@ def test_api_keys_sources(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# comment\nfile-key\n\n")
     keys = load_api_keys(["cli-key", "cli-key"], str(key_file), env={API_KEYS_ENV: " a, ,b"})
-    assert [k.get_secret_value() for k in keys] == ["cli-key", "a", "b", "file-key"]
-    assert load_api_keys([], None, env={}) == ()
+    assert [(k.get_secret_value(), t) for k, t in keys.keys] == [
+        ("file-key", "default"), ("cli-key", "default"), ("a", "default"), ("b", "default")]
+    assert load_api_keys([], None, env={}).keys == ()
     with pytest.raises(ValueError):
         load_api_keys([], str(tmp_path / "missing"), env={})
 
 
 def test_api_key_checker():
     checker = ApiKeyChecker([SecretStr("k1"), SecretStr("k2")])
-    assert checker.allows("Bearer k1") and checker.allows("bearer k2")
-    assert not checker.allows(None) and not checker.allows("Bearer k3")
-    assert not checker.allows("k1") and not checker.allows("Basic k1")
+    assert checker.tenant_of("Bearer k1") == checker.tenant_of("bearer k2") == "default"
+    for refused in (None, "Bearer k3", "k1", "Basic k1"):
+        assert checker.tenant_of(refused) is None
     assert "k1" not in repr(checker)
-    assert ApiKeyChecker([]).allows(None)
+    assert ApiKeyChecker([]).tenant_of(None) is not None
 
 
 def test_replica_load_round_trips_as_numbers():

@@ -64,7 +64,7 @@ class FakeHandle:
     def options(self, **_: Any) -> FakeHandle:  # noqa: ANN401
         return self
 
-    def remote(self, *args: Any) -> HeldStream:  # noqa: ANN401
+    def remote(self, *args: Any, **kwargs: Any) -> HeldStream:  # noqa: ANN401
         if not args:
             raise AssertionError("a replica was asked for its info")
         stream = HeldStream(self.assign_after_s)
@@ -131,9 +131,9 @@ def test_replicas_kept_readiness_waits_for_a_replica(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(engine_client, "load_tokenizer", lambda path: Loaded())
 
     class OneReplica(FakeHandle):
-        def remote(self, *args: Any) -> Any:  # noqa: ANN401
+        def remote(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
             if args:
-                return super().remote(*args)
+                return super().remote(*args, **kwargs)
             return self._info()
 
         async def _info(self) -> dict[str, Any]:

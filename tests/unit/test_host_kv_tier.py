@@ -146,3 +146,43 @@ def test_the_side_stream_path_brings_blocks_back_on_cuda() -> None:
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k[0], k0[2]) and torch.equal(v[4], v0[5])
     assert tier.bytes_copied[HOST_TO_DEVICE] == 2 * tier.bytes_per_block
+
+
+@pytest.mark.parametrize("decode", ["blocks", "loop"])  # block-transposed K, or contiguous
+def test_a_slots_bytes_round_trip_for_the_disk_tier(decode: str) -> None:
+    """read_slot / read_device_block give the disk tier a block's bytes; write_slot puts
+    them back in a slot, from where the block loads bit for bit."""
+    attention = CpuAttention("sdpa", decode)
+    caches = [attention.allocate(6, 4, 2, 8, torch.float32) for _ in range(2)]
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    tier = HostKVTier(3, caches)
+    tier.store(caches, [(4, 1)])
+    payload = tier.read_slot(1)
+    assert len(payload) == tier.bytes_per_block
+    assert payload == tier.read_device_block(caches, 4)  # the same bytes, the same order
+    tier.write_slot(2, payload)
+    tier.load(caches, [(2, 0)])
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k[0], k0[4]) and torch.equal(v[0], v0[4])
+    with pytest.raises(ValueError, match="a block payload of 3 bytes"):
+        tier.write_slot(0, b"abc")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_slot_bytes_wait_for_the_side_stream_on_cuda() -> None:
+    """read_slot right after a store queued on the side stream sees the stored bytes (not
+    run on CPU-only machines)."""
+    caches = [(torch.randn(6, 16, 2, 64, device="cuda"), torch.randn(6, 16, 2, 64, device="cuda"))
+              for _ in range(3)]
+    tier = HostKVTier(4, caches)
+    tier.store(caches, [(5, 3)])
+    payload = tier.read_slot(3)
+    assert payload == tier.read_device_block(caches, 5)
+    tier.write_slot(0, payload)
+    tier.load(caches, [(0, 1)])
+    torch.cuda.synchronize()
+    assert all(torch.equal(k[1], k[5]) and torch.equal(v[1], v[5]) for k, v in caches)

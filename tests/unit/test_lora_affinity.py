@@ -89,3 +89,18 @@ def test_an_adapter_prefix_is_matched_only_in_its_namespace() -> None:
     assert _first(router, replicas, [PROMPT]) == {"base_cache"}
     assert _first(router, replicas, [PROMPT, None, "r", 0, lora]) == {"base_cache", "other"}
     assert cache_namespace(adapter="sql") != b""
+
+
+def test_a_tenant_namespace_narrows_to_the_adapter_alike_in_engine_and_router() -> None:
+    from iterserve.autoscale.router import request_namespace
+    from iterserve.replica.block_keys import with_adapter
+
+    tenant = cache_namespace(salt="acme")
+    both = cache_namespace(salt="acme", adapter="sql")
+    assert with_adapter(tenant, "sql") == both and with_adapter(b"", "sql") == cache_namespace(
+        adapter="sql")
+    assert with_adapter(tenant, None) == tenant
+    lora = LoRARequest("sql", "/adapters/sql")
+    pending = _pending([PROMPT, None, "r", 0], "n1")
+    pending.kwargs.update(cache_namespace=tenant, lora_request=lora)
+    assert request_namespace(pending) == both  # what the engine's add_request computes

@@ -10,7 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.dashboards import kv_tier_metrics
 from iterserve.dashboards import metrics as m
+from iterserve.dashboards.tenant_metrics import OTHER_TENANTS, TenantLabels, TenantMetrics
 from iterserve.replica.stats import EngineStats, FinishedRequestStats, IterationStats
 
 
@@ -100,10 +102,33 @@ def test_host_tier_counters_per_tier_and_transfer_type(registry: CollectorRegist
     assert _value(registry, m.KV_OFFLOAD_TOTAL_TIME, transfer_type="CPU_to_GPU") == 0.375
 
 
-def test_transfer_types_are_the_host_tiers() -> None:
+def test_disk_tier_counters_per_tier_reason_and_transfer_type(
+        registry: CollectorRegistry) -> None:
+    logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)
+    assert _value(registry, m.KV_TIER_HITS, tier="disk") == 0.0  # every series from the start
+    assert _value(registry, m.KV_DISK_ERRORS, reason="disk_full") == 0.0
+    logger.record(_engine(host_cache_queries=300, host_cache_hits=64, disk_cache_queries=236,
+                          disk_cache_hits=160, disk_errors={"corrupt": 2, "disk_full": 0},
+                          kv_offload_bytes={"CPU_to_DISK": 8192, "DISK_to_CPU": 4096},
+                          kv_offload_seconds={"DISK_to_CPU": 0.125}),
+                  _iteration(), [])
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_QUERIES) == 300.0  # what the device missed
+    assert _value(registry, m.EXTERNAL_PREFIX_CACHE_HITS) == 224.0  # host and disk
+    assert _value(registry, m.KV_TIER_QUERIES, tier="host") == 300.0
+    assert _value(registry, m.KV_TIER_HITS, tier="host") == 64.0
+    assert _value(registry, m.KV_TIER_QUERIES, tier="disk") == 236.0
+    assert _value(registry, m.KV_TIER_HITS, tier="disk") == 160.0
+    assert _value(registry, m.KV_DISK_ERRORS, reason="corrupt") == 2.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_BYTES, transfer_type="CPU_to_DISK") == 8192.0
+    assert _value(registry, m.KV_OFFLOAD_TOTAL_TIME, transfer_type="DISK_to_CPU") == 0.125
+
+
+def test_transfer_types_are_the_host_and_disk_tiers() -> None:
+    from iterserve.replica.disk_kv_tier import DISK_ERRORS, DISK_TRANSFER_TYPES
     from iterserve.replica.host_kv_tier import TRANSFER_TYPES
 
-    assert m.TRANSFER_TYPES == TRANSFER_TYPES
+    assert m.TRANSFER_TYPES == TRANSFER_TYPES + DISK_TRANSFER_TYPES
+    assert kv_tier_metrics.DISK_ERRORS == DISK_ERRORS
 
 
 def test_an_engine_restart_does_not_make_counters_go_backwards(
@@ -169,6 +194,10 @@ def _exposition(prefix: str) -> str:
     router.record_decision("r0")
     router.record_sync_exchange("ok")
     m.AutoscalerMetrics("tiny", registry=registry, prefix=prefix).set_target_replicas(2)
+    tenants = TenantMetrics("tiny", registry=registry, prefix=prefix)
+    tenants.record_request("acme", "admitted")
+    tenants.record_first_token("acme", 0.05)
+    tenants.record_tokens("acme", 20, 5)
     return m.metrics_text(registry).decode()
 
 
@@ -209,7 +238,7 @@ logger = m.PrometheusStatLogger("tiny", sys.argv[1])
 engine = Record(num_running=int(sys.argv[2]), num_waiting=0, kv_usage=0.5, num_preemptions=0,
                 num_out_of_blocks=0, prefix_cache_queries=0, prefix_cache_hits=0,
                 host_cache_queries=0, host_cache_hits=0, kv_offload_bytes={},
-                kv_offload_seconds={}, max_loras=0)
+                kv_offload_seconds={}, disk_cache_queries=0, disk_cache_hits=0, disk_errors={}, max_loras=0)
 step = Record(num_prompt_tokens=30, num_generation_tokens=3, time_to_first_tokens_s=[0.1],
               inter_token_latencies_s=[])
 logger.record(engine, step, [])
@@ -240,6 +269,24 @@ def test_multiprocess_mode_merges_replica_processes(tmp_path, monkeypatch) -> No
     assert "foreign_process_metric" not in text
 
 
+def test_tenant_labels_are_bounded_the_first_seen_keep_theirs() -> None:
+    labels = TenantLabels(max_tenants=2)
+    assert [labels.label(t) for t in ("a", "b", "c", "a", OTHER_TENANTS, "b")] == [
+        "a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+    registry = CollectorRegistry()
+    tenants = TenantMetrics("tiny", registry=registry, max_tenants=1)
+    for name in ("a", "b", "c"):
+        tenants.record_request(name, "admitted")
+    tenants.record_request("a", "rate_limited")
+    name = m.metric_name(m.TENANT_REQUESTS)
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": "a",
+                                            "outcome": "admitted"}) == 1.0
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": OTHER_TENANTS,
+                                            "outcome": "admitted"}) == 2.0
+    assert registry.get_sample_value(name, {"model_name": "tiny", "tenant": "a",
+                                            "outcome": "rate_limited"}) == 1.0
+    with pytest.raises(ValueError):
+        tenants.record_request("a", "maybe")
 def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
     registry = CollectorRegistry()
     logger = m.PrometheusStatLogger("tiny", "r0", registry=registry)

@@ -144,3 +144,32 @@ def test_the_lazy_chain_walk_answers_as_hashing_the_whole_prompt_does() -> None:
             expected[rid] = leading_run(chain, frozenset(reported)) * size
         loads.append(None)  # a replica not yet polled: left out
         assert cached_prefix_tokens(prompt, [0, 1, 2, 3, 4], loads) == expected
+
+
+def test_the_router_reads_the_requests_cache_namespace_from_its_kwargs() -> None:
+    """A tenant's prompt (cache_namespace in the handle call's kwargs, as the ingress sends
+    it) ranks first the replica holding that prompt in that namespace, and no other's."""
+    from iterserve.replica.block_hashes import ROOT, stable_block_hash
+    from iterserve.replica.block_keys import block_tokens, cache_namespace, namespaced
+
+    salt = cache_namespace(salt="acme")
+    parent, chain = ROOT, []
+    for i in range((len(PROMPT) - 1) // BLOCK):
+        chunk = block_tokens(PROMPT[i * BLOCK:(i + 1) * BLOCK])
+        parent = stable_block_hash(parent, namespaced(salt, chunk) if i == 0 else chunk)
+        chain.append(parent)
+    router = _router()
+
+    def firsts(namespace: bytes | None) -> set[str]:
+        chosen = set()
+        for i in range(24):  # two replicas tied 24 times in one order: p = 2**-23
+            pending = _pending(PROMPT, f"n{i}")
+            if namespace is not None:
+                pending.kwargs["cache_namespace"] = namespace
+            ranked = asyncio.run(router.choose_replicas(_two(chain, []), pending))
+            chosen.add(ranked[0][0].replica_id.unique_id)
+        return chosen
+
+    assert firsts(salt) == {"holder"}
+    assert firsts(None) == {"holder", "other"}  # the shared namespace: nobody holds it
+    assert firsts(cache_namespace(salt="beta")) == {"holder", "other"}

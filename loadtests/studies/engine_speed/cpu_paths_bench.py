@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.kernels import reference
-from iterserve.replica.cpu_attention import CpuAttention, decode_work
+from iterserve.replica.cpu_attention import CpuAttention, chunk_after_prefix, decode_work
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.loader import load_checkpoint
 from iterserve.replica.model_source import resolve_model_path
@@ -44,6 +44,8 @@ KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM**-0.5
 DECODE_GRID = ((1, 512), (8, 512), (32, 128), (32, 512), (32, 2048), (64, 512), (64, 2048))
 PREFILL_CASES = ((484, 0), (200, 300), (512, 1500), (2048, 0))
+# A chunk after a cached prefix: (chunk tokens, cached tokens), at step budgets 256-2048.
+AFTER_PREFIX_CASES = ((256, 3800), (512, 512), (512, 1500), (512, 3000), (2048, 2048))
 ROWS = (1, 8, 32, 128, 512)
 
 Timed = Callable[[], object]
@@ -205,6 +207,33 @@ def prefill_part(args: argparse.Namespace) -> None:
                     max(1, args.repeats // 2), threads)
 
 
+def after_prefix_part(args: argparse.Namespace) -> None:
+    """A chunk after a cached prefix: the one masked SDPA call the engine made before, against
+    chunk_after_prefix (two flash calls merged by log-sum-exp)."""
+    gen = torch.Generator().manual_seed(0)
+    header("prefill attention, a chunk after a cached prefix, one layer", "masked SDPA",
+           "two flash calls")
+    for q_len, cached in AFTER_PREFIX_CASES:
+        length = q_len + cached
+        q = torch.randn((1, KV_HEADS * GROUP, q_len, HEAD_DIM), generator=gen)
+        k = torch.randn((1, KV_HEADS, length, HEAD_DIM), generator=gen)
+        v = torch.randn((1, KV_HEADS, length, HEAD_DIM), generator=gen)
+
+        def old(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                q_len: int = q_len, cached: int = cached) -> None:
+            mask = torch.ones((q_len, q_len + cached), dtype=torch.bool).tril(cached)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE,
+                                           enable_gqa=True)
+
+        def new(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                cached: int = cached) -> None:
+            chunk_after_prefix(q, k, v, cached, SCALE)
+
+        for threads in args.threads:
+            compare(f"{q_len} tokens after {cached} cached", old, new, args.rounds,
+                    max(1, args.repeats // 2), threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["all", "linear", "decode", "prefill"], default="all",
@@ -226,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             decode_part(args)
         if args.part in ("all", "prefill"):
             prefill_part(args)
+            after_prefix_part(args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 

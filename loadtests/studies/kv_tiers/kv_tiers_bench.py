@@ -1,14 +1,18 @@
-"""The host KV tier, offline: returning-turn TTFT and no-reuse throughput, side by side.
+"""The host and disk KV tiers, offline: returning-turn TTFT and no-reuse throughput, side by side.
 
     python -m iterserve.loadtests.studies.kv_tiers.kv_tiers_bench                 # tiny model
     python -m iterserve.loadtests.studies.kv_tiers.kv_tiers_bench --model builtin # SmolLM2-135M
 
-Three engines alternate round by round (A B C, A B C, ...), so that noise from other processes
-hits all alike:
+Five engines alternate round by round (A B C D E, A B C D E, ...), so that noise from other
+processes hits all alike:
 
   off      the device KV alone (`num_gpu_blocks_override` D), prefix caching on;
   host     the same device KV plus a host tier of H blocks (`kv_offloading_size`);
-  big      no tier, the device KV enlarged by the tier's bytes (D + H blocks).
+  big      no tier, the device KV enlarged by the tier's bytes (D + H blocks);
+  small    the device KV plus a host tier too small for the working set (H / `--small-host`);
+  disk     `small` plus a disk tier holding the working set (`kv_offloading_disk_path`, a
+           fresh temporary folder each round): the prefixes the small host tier evicts are
+           read back from disk (their read times reported).
 
 Multi-turn chat: C conversations, each a first turn of `--first-tokens` then `--turns`
 returning turns, each adding the previous answer and `--new-tokens` user tokens, so that every
@@ -19,8 +23,9 @@ alone (and the copies back); the working set (every conversation's history) is a
 misses. Only returning turns are timed.
 
 No reuse: `--unique` distinct prompts at once (16 running), none ever seen again, on a device KV
-that evicts cached blocks all along (so the tier stores them): throughput with the tier off and
-on, alternating.
+that evicts cached blocks all along (so the tier stores them): throughput with the tiers off,
+a host tier (4x the device KV), and a host tier as large as the device KV with a disk tier
+under it (so that blocks are written to disk all along), alternating.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import argparse
 import json
 import math
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,9 +116,25 @@ def chat_round(name: str, engine: LLMEngine, workload: ChatWorkload, seed: int) 
     result.stats = {"prefix_cache_hits": stats.prefix_cache_hits,
                     "host_cache_queries": stats.host_cache_queries,
                     "host_cache_hits": stats.host_cache_hits,
+                    "disk_cache_queries": stats.disk_cache_queries,
+                    "disk_cache_hits": stats.disk_cache_hits,
+                    "disk_errors": {k: v for k, v in stats.disk_errors.items() if v},
                     "kv_offload_bytes": stats.kv_offload_bytes,
-                    "kv_offload_seconds": stats.kv_offload_seconds}
+                    "kv_offload_seconds": {k: round(v, 4)
+                                           for k, v in stats.kv_offload_seconds.items()}}
+    disk = getattr(engine.runner, "disk_tier", None)
+    if disk is not None:
+        disk.close()  # its writer's queue finished, the thread stopped
     return result
+
+
+def disk_read_ms_per_block(result: ChatRound) -> float | None:
+    """The disk tier's read time per block read back, in ms (None: no disk reads)."""
+    read_bytes = result.stats["kv_offload_bytes"].get("DISK_to_CPU", 0)
+    if not read_bytes:
+        return None
+    blocks = result.stats["disk_cache_hits"] / BLOCK
+    return result.stats["kv_offload_seconds"]["DISK_to_CPU"] / blocks * 1e3
 
 
 def no_reuse_round(engine: LLMEngine, num_prompts: int, prompt_tokens: int, output_tokens: int,
@@ -141,6 +164,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3, help="returning turns per conversation")
     parser.add_argument("--working-set", type=float, default=4.0,
                         help="the chats' working set over the device KV")
+    parser.add_argument("--small-host", type=float, default=4.0,
+                        help="the small and disk cells' host tier: the working set over this")
+    parser.add_argument("--disk-root", type=Path, default=None,
+                        help="where the disk cell's temporary folders go (default: the temp dir)")
     parser.add_argument("--unique", type=int, default=48, help="no-reuse prompts per round")
     parser.add_argument("--unique-tokens", type=int, default=512,
                         help="no-reuse prompt length")
@@ -162,54 +189,96 @@ def main() -> None:
     bytes_per_block = engine_for(model, args.threads, num_gpu_blocks_override=device
                                  ).runner.kv_bytes_per_block
     host_gib = host * bytes_per_block / GIB
+    small_host = math.ceil(working_set / args.small_host)
+    small_gib = small_host * bytes_per_block / GIB
+    disk_gib = 2 * working_set * bytes_per_block / GIB  # files carry a header: room to spare
     configs = {"off": dict(num_gpu_blocks_override=device),
                "host": dict(num_gpu_blocks_override=device, kv_offloading_size=host_gib),
-               "big": dict(num_gpu_blocks_override=device + host)}
+               "big": dict(num_gpu_blocks_override=device + host),
+               "small": dict(num_gpu_blocks_override=device, kv_offloading_size=small_gib),
+               "disk": dict(num_gpu_blocks_override=device, kv_offloading_size=small_gib,
+                            kv_offloading_disk_size=disk_gib)}
     print(f"model {model}; device KV {device} blocks, host tier {host} blocks "
-          f"({host_gib:.3f} GiB), working set {working_set} blocks; {args.threads} thread(s)")
+          f"({host_gib:.3f} GiB), small host tier {small_host} blocks, disk tier "
+          f"{disk_gib:.3f} GiB, working set {working_set} blocks; {args.threads} thread(s)")
     chat: dict[str, list[ChatRound]] = {name: [] for name in configs}
     for round_index in range(0 if args.skip_chat else args.rounds):
         for name, kwargs in configs.items():
+            folder = None
+            if name == "disk":
+                folder = tempfile.mkdtemp(prefix="kv-disk-tier-", dir=args.disk_root)
+                kwargs = dict(kwargs, kv_offloading_disk_path=folder)
             result = chat_round(name, engine_for(model, args.threads, **kwargs), workload,
                                 seed=round_index)
+            if folder is not None:
+                shutil.rmtree(folder)
             chat[name].append(result)
-            print(f"round {round_index} {name:>4}: returning-turn TTFT p50 "
+            read_ms = disk_read_ms_per_block(result)
+            print(f"round {round_index} {name:>5}: returning-turn TTFT p50 "
                   f"{result.percentile(0.5) * 1e3:8.1f} ms  p99 {result.percentile(0.99) * 1e3:8.1f}"
-                  f" ms  cached {statistics.mean(result.cached_tokens):7.0f} tokens/turn  "
-                  f"{result.stats}")
+                  f" ms  cached {statistics.mean(result.cached_tokens):7.0f} tokens/turn"
+                  + (f"  disk read {read_ms:.3f} ms/block" if read_ms is not None else "")
+                  + f"  {result.stats}")
     summary = {name: {"ttft_p50_ms": statistics.median(r.percentile(0.5) for r in rounds) * 1e3,
-                      "ttft_p99_ms": statistics.median(r.percentile(0.99) for r in rounds) * 1e3}
+                      "ttft_p99_ms": statistics.median(r.percentile(0.99) for r in rounds) * 1e3,
+                      "p50_per_round_ms": [round(r.percentile(0.5) * 1e3, 1) for r in rounds]}
                for name, rounds in chat.items() if rounds}
     if summary:
         print("\nreturning-turn TTFT, median over rounds:")
         for name, figures in summary.items():
             print(f"  {name:>4}: p50 {figures['ttft_p50_ms']:8.1f} ms  "
                   f"p99 {figures['ttft_p99_ms']:8.1f} ms")
-        off, host_p50, big = (summary[n]["ttft_p50_ms"] for n in ("off", "host", "big"))
-        print(f"  off / host {off / host_p50:.2f}x;  host / big {host_p50 / big:.2f}x")
-    throughput: dict[str, list[float]] = {"off": [], "host": []}
+        off, host_p50, big, small, disk = (summary[n]["ttft_p50_ms"]
+                                           for n in ("off", "host", "big", "small", "disk"))
+        print(f"  off / host {off / host_p50:.2f}x;  host / big {host_p50 / big:.2f}x;  "
+              f"off / disk {off / disk:.2f}x;  small / disk {small / disk:.2f}x;  "
+              f"disk / host {disk / host_p50:.2f}x")
+        for pair in (("off", "disk"), ("small", "disk"), ("disk", "host")):
+            ratios = [a.percentile(0.5) / b.percentile(0.5)
+                      for a, b in zip(chat[pair[0]], chat[pair[1]], strict=True)]
+            print(f"  per-round p50 {pair[0]} / {pair[1]}: "
+                  + ", ".join(f"{ratio:.2f}" for ratio in ratios))
+    throughput: dict[str, list[float]] = {"off": [], "host": [], "disk": []}
     if not args.skip_no_reuse:
         nr_device = 16 * -(-(args.unique_tokens + args.unique_output) // BLOCK) + 16
         nr_configs = {"off": dict(num_gpu_blocks_override=nr_device, max_num_seqs=16),
                       "host": dict(num_gpu_blocks_override=nr_device, max_num_seqs=16,
-                                   kv_offloading_size=4 * nr_device * bytes_per_block / GIB)}
+                                   kv_offloading_size=4 * nr_device * bytes_per_block / GIB),
+                      "disk": dict(num_gpu_blocks_override=nr_device, max_num_seqs=16,
+                                   kv_offloading_size=nr_device * bytes_per_block / GIB,
+                                   kv_offloading_disk_size=disk_gib + 1.0)}
         for round_index in range(args.rounds):
             for name, kwargs in nr_configs.items():
+                folder = None
+                if name == "disk":
+                    folder = tempfile.mkdtemp(prefix="kv-disk-tier-", dir=args.disk_root)
+                    kwargs = dict(kwargs, kv_offloading_disk_path=folder)
                 engine = engine_for(model, args.threads, **kwargs)
                 rate = no_reuse_round(engine, args.unique, args.unique_tokens, args.unique_output,
                                       seed=100 + round_index)
                 throughput[name].append(rate)
                 stats = engine.stats()
+                if folder is not None:
+                    engine.runner.disk_tier.close()
+                    shutil.rmtree(folder)
                 print(f"no reuse, round {round_index} {name:>4}: {rate:8.1f} generated tokens/s"
-                      f"  copies {stats.kv_offload_bytes} bytes {stats.kv_offload_seconds} s")
-        off_rate, host_rate = (statistics.median(throughput[n]) for n in ("off", "host"))
-        print(f"no reuse, median: off {off_rate:.1f}, host {host_rate:.1f} tokens/s "
-              f"(host / off {host_rate / off_rate:.3f})")
+                      f"  copies {stats.kv_offload_bytes} bytes {stats.kv_offload_seconds} s"
+                      f"  disk errors {stats.disk_errors}")
+        off_rate, host_rate, disk_rate = (statistics.median(throughput[n])
+                                          for n in ("off", "host", "disk"))
+        print(f"no reuse, median: off {off_rate:.1f}, host {host_rate:.1f}, host+disk "
+              f"{disk_rate:.1f} tokens/s (host / off {host_rate / off_rate:.3f}, host+disk / off "
+              f"{disk_rate / off_rate:.3f})")
+        for name in ("host", "disk"):
+            print(f"  per-round {name} / off: " + ", ".join(
+                f"{a / b:.3f}" for a, b in zip(throughput[name], throughput["off"], strict=True)))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "args": vars(args) | {"out": str(args.out)}, "device_blocks": device,
-            "host_blocks": host, "summary": summary, "no_reuse_tokens_per_s": throughput,
+            "args": vars(args) | {"out": str(args.out), "disk_root": str(args.disk_root)},
+            "device_blocks": device,
+            "host_blocks": host, "small_host_blocks": small_host, "summary": summary,
+            "no_reuse_tokens_per_s": throughput,
             "chat_rounds": {n: [asdict(r) for r in rounds] for n, rounds in chat.items()},
         }, indent=1))
 

@@ -40,6 +40,7 @@ from iterserve.autoscale.sim.iterserve_router import IterserveRouter
 from iterserve.autoscale.sim.results import SimResult
 from iterserve.autoscale.sim.routing_context import AutoscalingPolicy, RoutingPolicy
 from iterserve.autoscale.sim.shapes import make
+from iterserve.autoscale.sim.tenant_salt import salted_by_tenant
 from iterserve.autoscale.sim.traces import read_trace, speed_up
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies.router_tournament.tournament_stats import (
@@ -219,10 +220,14 @@ def summarise(result: SimResult, seed: int, scale: float = 1.0) -> dict[str, Any
 def cell_requests(cell: dict[str, Any]) -> list[WorkloadRequest]:
     """The cell's workload: its trace file replayed at its speed (a "trace" key, with
     "speed" and optionally "hash_block_size"), else the named generator at the cell's rate
-    and duration."""
+    and duration; with "tenant_cache_isolation" true, each tenant's prompts in its own
+    cache namespace (`sim/tenant_salt.py`), as the ingress salts them by default."""
     if "trace" in cell:
         return speed_up(read_trace(cell["trace"], cell.get("hash_block_size")), cell["speed"])
-    return make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
+    requests = make(cell["workload"], cell["rate"], cell["duration_s"], cell["seed"])
+    if cell.get("tenant_cache_isolation"):
+        requests = salted_by_tenant(requests)
+    return requests
 
 
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
