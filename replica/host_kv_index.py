@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from iterserve.replica.block_keys import BlockHash, BlockTokens
 
@@ -40,6 +41,14 @@ class HostEntry:
     tokens: BlockTokens
 
 
+class HostTierListener(Protocol):
+    """Told of every block that joins or leaves the tier (the replica's index of stable
+    hashes for routers, replica/block_hashes.py; a tier below this one)."""
+
+    def host_stored(self, entry: HostEntry) -> None: ...
+    def host_evicted(self, entry: HostEntry) -> None: ...
+
+
 class HostKVIndex:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -54,6 +63,7 @@ class HostKVIndex:
         self._empty = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
         self._pinned: set[int] = set()
         self.num_evicted = 0  # blocks that left the tier to make room
+        self.listener: HostTierListener | None = None
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -88,6 +98,8 @@ class HostKVIndex:
         self._entries[slot] = entry
         self._slot_of[entry.key] = slot
         self._probation[slot] = None
+        if self.listener is not None:
+            self.listener.host_stored(entry)
         return slot
 
     def record_hit(self, slot: int) -> None:
@@ -121,9 +133,11 @@ class HostKVIndex:
                 if slot not in self._pinned:
                     del segment[slot]
                     entry = self._entries[slot]
-                    if entry is not None:
-                        del self._slot_of[entry.key]
                     self._entries[slot] = None
                     self.num_evicted += 1
+                    if entry is not None:
+                        del self._slot_of[entry.key]
+                        if self.listener is not None:
+                            self.listener.host_evicted(entry)
                     return slot
         raise RuntimeError("every host KV slot is pinned; check can_store() first")
