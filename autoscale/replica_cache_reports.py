@@ -106,11 +106,12 @@ def cached_prefix_tiers(token_ids: Sequence[int], candidates: Sequence[Hashable]
             chunk = block_tokens(token_ids[i * size:(i + 1) * size])
             parent = stable_block_hash(parent, namespaced(namespace, chunk) if i == 0 else chunk)
             still = []
-            for replica_id, held in holders:
-                rank = next((rank for rank, hashes in held if parent in hashes), None)
-                if rank is not None:
-                    hits[replica_id][rank] += size
-                    still.append((replica_id, held))
+            for holder in holders:
+                for rank, hashes in holder[1]:  # the best tier holding the block
+                    if parent in hashes:
+                        hits[holder[0]][rank] += size
+                        still.append(holder)
+                        break
             holders = still
             if not holders:
                 break

@@ -131,9 +131,13 @@ class SimBlockManager(BlockManager):
                 host.pin(host_slot(hit))
         parent = ROOT_HASH if not hits else (
             self.block_keys[hits[-1]] if hits[-1] >= 0 else host.entry(host_slot(hits[-1])).key)
-        size, tokens = self.block_size, request.all_token_ids
+        size, width = self.block_size, 8 * self.block_size
+        packed = request.prompt_token_bytes  # the bytes block_tokens makes, as the engine's
+        tokens = request.all_token_ids if packed is None or max_blocks * width > len(packed) \
+            else None
         for i in range(len(hits), max_blocks):
-            chunk = block_tokens(tokens[i * size:(i + 1) * size])
+            chunk = packed[i * width:(i + 1) * width] if tokens is None \
+                else block_tokens(tokens[i * size:(i + 1) * size])
             key = hash((parent, namespaced(request.cache_namespace, chunk) if i == 0 else chunk))
             parent = key
             block_id = self.cached_blocks.get(key)

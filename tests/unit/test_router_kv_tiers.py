@@ -9,13 +9,20 @@ from dataclasses import replace
 
 import pytest
 from block_hash_oracle import prompt_block_hashes
-from test_router_cache_reports import BLOCK, PROMPT, _FakeReplica, _pending, _router, load
+from test_router_cache_reports import BLOCK, PROMPT, _FakeReplica, _pending, load
+from test_router_cache_reports import _router as _any_router
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
 from iterserve.autoscale.replica_cache_reports import cached_prefix_tiers, cached_prefix_tokens
 
 CHAIN = prompt_block_hashes(PROMPT, BLOCK)  # 40 blocks
+
+
+def _router(**kwargs: object):  # noqa: ANN202 - a KVAwareRouter
+    """Stats never stale: the first Ray import on a busy machine can outlast the 5 s, and
+    staleness is not what these tests are about."""
+    return _any_router(stats_stale_after_s=3600.0, **kwargs)
 
 
 def busier(tiers: dict[str, list[int]] | None, num_waiting: int = 0) -> dict:
