@@ -44,6 +44,10 @@ class SimKVTiers:
     disk_gib: float = 0.0
     host_gb_s: float = 25.0
     disk_gb_s: float = 6.0
+    # The engine's compute stream waits for a step's device -> host stores (they must land
+    # before the blocks are overwritten); False models stores that overlap compute, as
+    # vLLM's offloading connector writes asynchronously (what-if: not iterserve's engine).
+    charge_stores: bool = True
 
     def __post_init__(self) -> None:
         if self.host_gib < 0 or self.disk_gib < 0:
@@ -79,6 +83,7 @@ class TierCopies:
 
     def __init__(self, tiers: SimKVTiers, bytes_per_block: int) -> None:
         self.host_s_per_block = bytes_per_block / (tiers.host_gb_s * GB)
+        self.store_s_per_block = self.host_s_per_block if tiers.charge_stores else 0.0
         self.disk_s_per_block = bytes_per_block / (tiers.disk_gb_s * GB)
         self.num_stored = 0  # device -> host
         self.num_loaded = 0  # host -> device
@@ -98,7 +103,7 @@ class TierCopies:
         self.num_stored += num_stores
         self.num_loaded += num_loads
         self.num_disk_reads += disk_reads
-        seconds = (num_stores + num_loads) * self.host_s_per_block \
+        seconds = num_stores * self.store_s_per_block + num_loads * self.host_s_per_block \
             + disk_reads * self.disk_s_per_block
         self.seconds += seconds
         return seconds

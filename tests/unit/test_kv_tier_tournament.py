@@ -3,8 +3,11 @@ unbounded cache's hit rate, and which cells run with tiers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies.router_tournament.kv_tiers import (
+    ASYNC_STORES,
     NO_TIERS,
     SMALL_DEVICE_BLOCKS,
     TIERS,
@@ -24,7 +27,7 @@ def test_an_unbounded_cache_serves_every_earlier_prefix_and_answer() -> None:
     assert unbounded_hit_rate([turn, alone, first]) == 5 * 16 / total
 
 
-def test_the_cells_run_with_tiers_but_the_no_tier_arm() -> None:
+def test_the_cells_run_with_tiers_but_the_no_tier_arm_and_the_async_store_what_if() -> None:
     cells = build_cells([8], 0.8, [0], None, {"multi-turn small": 10.0,
                                                "multi-tenant small": 2.0})
     assert {c["workload"] for c in cells} == {"multi-turn", "multi-tenant"}
@@ -32,4 +35,7 @@ def test_the_cells_run_with_tiers_but_the_no_tier_arm() -> None:
     for cell in cells:
         config = cell_config(cell)
         assert config.num_blocks == SMALL_DEVICE_BLOCKS
-        assert config.kv_tiers == (None if cell["router"] == NO_TIERS else TIERS)
+        if cell["router"] == ASYNC_STORES:  # the what-if: stores off the critical path
+            assert config.kv_tiers == dataclasses.replace(TIERS, charge_stores=False)
+        else:
+            assert config.kv_tiers == (None if cell["router"] == NO_TIERS else TIERS)

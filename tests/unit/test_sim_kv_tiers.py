@@ -111,3 +111,17 @@ def test_the_simulated_router_charges_tiers_and_its_blind_arm_reads_the_device_a
     assert aware._cached == {"host": round(64 * 16 * (1 - 131072 * 34000 / 25e9))}
     blind = IterserveRouter(RouterConfig(score_kv_tiers=False), name="iterserve-tierblind")
     assert {blind.choose(ctx, rng) for _ in range(40)} == {"host", "none"}
+
+
+def test_stores_that_overlap_compute_cost_a_step_nothing() -> None:
+    """The what-if arm: only loads and disk reads wait (stores written asynchronously)."""
+    manager = SimBlockManager(4, BLOCK, True, HostKVIndex(8))
+    run(manager, list(range(100, 113)))
+    run(manager, list(range(200, 213)))  # evicts 3 blocks: 3 stores planned
+    synchronous = TierCopies(SimKVTiers(host_gib=1), bytes_per_block=10**6)
+    overlapped = TierCopies(SimKVTiers(host_gib=1, charge_stores=False), bytes_per_block=10**6)
+    stores, loads = list(manager.kv_stores), list(manager.kv_loads)
+    assert len(stores) == 3 and not loads
+    assert synchronous.take_step_seconds(manager, 0) == pytest.approx(3 * 1e6 / 25e9)
+    manager.kv_stores = stores
+    assert overlapped.take_step_seconds(manager, 0) == 0.0 and overlapped.num_stored == 3

@@ -52,6 +52,8 @@ from iterserve.replica.block_keys import ROOT_HASH, block_hash, block_tokens, nu
 TIERS = SimKVTiers(host_gib=64.0, disk_gib=512.0)
 TIER_ROUTERS = ("iterserve", "iterserve-tierblind", "dynamo", "llm-d-precise", "sglang", "pow2")
 NO_TIERS = "iterserve-notiers"
+# What-if: iterserve with stores that overlap compute (SimKVTiers.charge_stores off)
+ASYNC_STORES = "iterserve-asyncstores"
 MOONCAKE_CAPACITY = 1.26875  # req/s per replica: results/traces (round-robin probe, no tiers)
 MOONCAKE_KEY = "conversation_trace"
 GENERATED = ("multi-turn", "multi-tenant")
@@ -66,6 +68,7 @@ CELL_REQUESTS = 1000  # at least, over at least 20 virtual seconds
 ROUTERS.setdefault("iterserve-tierblind", lambda: IterserveRouter(
     RouterConfig(score_kv_tiers=False), name="iterserve-tierblind"))
 ROUTERS.setdefault(NO_TIERS, lambda: IterserveRouter(name=NO_TIERS))
+ROUTERS.setdefault(ASYNC_STORES, lambda: IterserveRouter(name=ASYNC_STORES))
 
 
 def unbounded_hit_rate(requests: Sequence[WorkloadRequest], block_size: int = 16) -> float:
@@ -94,7 +97,9 @@ def unbounded_hit_rate(requests: Sequence[WorkloadRequest], block_size: int = 16
 def cell_config(cell: dict[str, Any]) -> Any:  # noqa: ANN401 - a ClusterSimConfig
     config = sim_config(None, cell["seed"])
     extra = {k: cell[k] for k in ("num_blocks", "max_model_len") if cell.get(k) is not None}
-    if cell["router"] != NO_TIERS:
+    if cell["router"] == ASYNC_STORES:
+        extra["kv_tiers"] = dataclasses.replace(TIERS, charge_stores=False)
+    elif cell["router"] != NO_TIERS:
         extra["kv_tiers"] = TIERS
     return dataclasses.replace(config, **extra)
 
@@ -130,7 +135,7 @@ def probe_small_capacity(workload: str, seed: int = 1, duration_s: float = 30.0)
 def build_cells(sizes: Sequence[int], load: float, seeds: Sequence[int], trace: Path | None,
                 caps: dict[str, float]) -> list[dict[str, Any]]:
     """Generated workloads on every seed; the trace (long cells) on the first seed only."""
-    routers = (*TIER_ROUTERS, NO_TIERS)
+    routers = (*TIER_ROUTERS, NO_TIERS, ASYNC_STORES)
     cells = []
     for workload in GENERATED:
         for n in sizes:
@@ -179,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run only these workloads (multi-turn, multi-tenant, "
                         "conversation_trace)")
     parser.add_argument("--routers", nargs="+", default=[*TIER_ROUTERS, NO_TIERS],
-                        choices=[*TIER_ROUTERS, NO_TIERS], help="run only these routers")
+                        choices=[*TIER_ROUTERS, NO_TIERS, ASYNC_STORES],
+                        help="run only these routers")
     parser.add_argument("--out", type=Path, required=True, help="the JSON store (resumed)")
     args = parser.parse_args(argv)
     store = json.loads(args.out.read_text()) if args.out.exists() else {
