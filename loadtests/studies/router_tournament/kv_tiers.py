@@ -8,7 +8,9 @@ device ~0, host ~copy, disk ~read, nowhere ~prefill); `iterserve-tierblind` is t
 router reading the device alone (what LMCache behind Ray's router does today: "the router
 ... scores an offloaded prefix as though it weren't cached"); the other baselines read the
 device alone too, as their KV events do. `iterserve-notiers` is iterserve on the same
-cluster without tiers (what the tiers buy). Every GPU-side figure is simulated (the
+cluster without tiers (what the tiers buy); `iterserve-asyncstores` a what-if, iterserve with
+the device -> host stores overlapping compute (SimKVTiers.charge_stores off), which
+iterserve's engine does not do. Every GPU-side figure is simulated (the
 calibrated cost model plus the tiers' copy times), not measured.
 
 Each workload's `unbounded_hit_rate`: the prompt tokens a single cache that never evicts
@@ -18,6 +20,7 @@ any cache size (it counts a prefix from a request still running as cached).
 
     python -m iterserve.loadtests.studies.router_tournament.kv_tiers --jobs 2 \\
         --trace conversation_trace.jsonl --out loadtests/studies/router_tournament/results/kv_tiers.json
+    (the study's README has the commands as run, split by --only and --routers)
 """
 
 from __future__ import annotations
