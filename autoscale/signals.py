@@ -10,7 +10,7 @@ passes it as is. The autoscaling metrics hold numbers only (Serve requires it); 
 stats hold numbers plus, when the replica reports them, `cached_blocks` and `block_size`:
 per KV tier (`KV_TIERS`: "device", "host", "disk"), the stable hashes
 (`replica/block_hashes.py`) of the blocks a lookup would read there, packed as 8-byte
-little-endian words (`pack_hashes`: a quarter of a pickled list of ints; capped at
+little-endian words (`pack_hashes`: 0.76x a pickled list of ints, 0.37x its JSON; capped at
 MAX_REPORTED_BLOCK_HASHES in all by the replica). `from_dict` also reads the earlier wire
 form, `cached_block_hashes` (a list of ints: the device tier), and skips tier names it does
 not know (a newer replica's). Nothing here reads a clock.
