@@ -149,6 +149,37 @@ class RouterConfig(BaseModel):
         "with their routing stats, and rank with each replica's cached share of the prompt "
         "(cached_tokens); off, the affinity table of recent routes stands in for it.",
     )
+    score_kv_tiers: bool = Field(
+        True,
+        description="Charge the prompt tokens a replica holds below its device KV (its "
+        "reported host and disk tiers) their copy time instead of their prefill: a token "
+        "in tier t costs min(1, kv_bytes_per_token x the replica's prefill_token_rate / t's "
+        "bandwidth) of an uncached token (kv_tier_costs.py). Off: those tokens count as "
+        "uncached, as a router reading device-only KV events does (LMCache behind Ray's "
+        "router: the tier-blind arm of the tournament).",
+    )
+    host_kv_read_gb_s: float = Field(
+        25.0, gt=0.0,
+        description="Assumed host-to-device copy bandwidth of a replica's host KV tier, GB/s "
+        "(25: pinned memory over PCIe 4.0 x16, the common H100 host link; an assumption, "
+        "not measured here).",
+    )
+    disk_kv_read_gb_s: float = Field(
+        6.0, gt=0.0,
+        description="Assumed read bandwidth of a replica's disk KV tier into the device, "
+        "GB/s (6: one PCIe 4.0 NVMe drive's sequential read; an assumption, not measured).",
+    )
+    kv_bytes_per_token: int = Field(
+        131072, ge=1,
+        description="KV bytes per token of the served model, for the tiers' copy times "
+        "(131072: Llama-3-8B in bf16, 2 x 32 layers x 8 KV heads x 128 x 2 B).",
+    )
+    prefill_tokens_per_s: float = Field(
+        34000.0, gt=0.0,
+        description="Prefill speed assumed for a replica that reports no prefill_token_rate, "
+        "for the tiers' costs (34k: an 8B model on an H100, as prefill_tokens_per_waiting "
+        "assumes and the simulator's cost model computes).",
+    )
     routed_work_half_life_s: float = Field(
         5.0, gt=0.0, description="Half-life of the routed-work meter.",
     )

@@ -188,7 +188,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
                        ) -> dict[ReplicaID, int] | None:
         if token_ids is None or not self.config.use_replica_cache_reports:
             return None
-        return cached_prefix_tokens(token_ids, replica_ids, loads, namespace)
+        tier_costs = self.config if self.config.score_kv_tiers else None
+        return cached_prefix_tokens(token_ids, replica_ids, loads, namespace,
+                                    tier_costs=tier_costs)
 
     def _remember_hits(self, request_id: str, hits: dict[ReplicaID, int]) -> None:
         self._hits.pop(request_id, None)  # re-inserted last: the newest

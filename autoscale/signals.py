@@ -7,18 +7,25 @@ engine's `EngineStats` snapshot (`from_engine_stats`) and returns it from
 router parses it back (`from_dict`), the autoscaling policy reads its metric names,
 `/debug/replicas` shows `to_dict()` (built without the hashes), and the cluster simulator
 passes it as is. The autoscaling metrics hold numbers only (Serve requires it); the routing
-stats hold numbers plus, when the replica reports them, `cached_block_hashes` (a list of
-ints: `replica/block_hashes.py`'s stable hashes) and `block_size`. Nothing here reads a
-clock.
+stats hold numbers plus, when the replica reports them, `cached_blocks` and `block_size`:
+per KV tier (`KV_TIERS`: "device", "host", "disk"), the stable hashes
+(`replica/block_hashes.py`) of the blocks a lookup would read there, packed as 8-byte
+little-endian words (`pack_hashes`: 0.76x a pickled list of ints, 0.37x its JSON; capped at
+MAX_REPORTED_BLOCK_HASHES in all by the replica). `from_dict` also reads the earlier wire
+form, `cached_block_hashes` (a list of ints: the device tier), and skips tier names it does
+not know (a newer replica's). Nothing here reads a clock.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
+
+from iterserve.replica.block_hashes import DEVICE, KV_TIERS
 from iterserve.replica.stats import EngineStats
 
 # Serve calls record_routing_stats every request_routing_stats_period_s; Serve's default is
@@ -47,7 +54,9 @@ class ReplicaLoad:
     queued_prefill_tokens: prompt tokens of its admitted requests not computed yet at
     timestamp (running prefills and waiting requests).
     cached_block_hashes: the stable hashes (`replica/block_hashes.py`) of the blocks its
-    prefix cache can hit, of `block_size` tokens each (None: not reported).
+    device prefix cache can hit, of `block_size` tokens each (None: not reported).
+    lower_tier_hashes: the same for the tiers below the device KV that hold blocks
+    ("host", "disk"; a block in several tiers is listed in the best one only).
     """
 
     kv_usage: float
@@ -67,6 +76,7 @@ class ReplicaLoad:
     # The LoRA adapters it holds read (their model names): a request for one of them needs
     # no load there (autoscale/lora_affinity.py).
     lora_adapters: frozenset[str] = frozenset()
+    lower_tier_hashes: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
@@ -83,6 +93,18 @@ class ReplicaLoad:
                              f"got {self.prefill_token_rate}")
         if self.cached_block_hashes is not None and self.block_size < 1:
             raise ValueError(f"cached_block_hashes need a block_size >= 1, got {self.block_size}")
+        if self.lower_tier_hashes and (self.cached_block_hashes is None or not set(
+                self.lower_tier_hashes) <= set(KV_TIERS[1:])):
+            raise ValueError(f"lower_tier_hashes name tiers of {KV_TIERS[1:]} beside a device "
+                             f"report, got {sorted(self.lower_tier_hashes)}")
+
+    def tier_hashes(self) -> list[tuple[str, frozenset[int]]]:
+        """(tier, hashes) best first (`KV_TIERS` order), the tiers reported; [] if none."""
+        if self.cached_block_hashes is None:
+            return []
+        lower = self.lower_tier_hashes
+        return [(DEVICE, self.cached_block_hashes)] + [
+            (tier, lower[tier]) for tier in KV_TIERS[1:] if tier in lower]
 
     @classmethod
     def from_engine_stats(cls, stats: EngineStats, draining: bool = False) -> ReplicaLoad:
@@ -101,11 +123,17 @@ class ReplicaLoad:
             queued_prefill_tokens=int(stats.queued_prefill_tokens),
         )
 
-    def with_cached_blocks(self, hashes: Iterable[int] | None, block_size: int) -> ReplicaLoad:
-        """This load with the replica's prefix-cache report (None: no report)."""
+    def with_cached_blocks(self, hashes: Mapping[str, Iterable[int]] | Iterable[int] | None,
+                           block_size: int) -> ReplicaLoad:
+        """This load with the replica's prefix-cache report: per tier (the engine's
+        `cached_block_hashes()`), or the device tier's hashes alone (None: no report)."""
         if hashes is None:
-            return replace(self, cached_block_hashes=None, block_size=0)
-        return replace(self, cached_block_hashes=frozenset(hashes), block_size=block_size)
+            return replace(self, cached_block_hashes=None, block_size=0, lower_tier_hashes={})
+        if not isinstance(hashes, Mapping):
+            hashes = {DEVICE: hashes}
+        lower = {tier: frozenset(h) for tier, h in hashes.items() if tier != DEVICE and h}
+        return replace(self, cached_block_hashes=frozenset(hashes.get(DEVICE, ())),
+                       block_size=block_size, lower_tier_hashes=lower)
 
     def with_adapters(self, names: Iterable[str]) -> ReplicaLoad:
         """This load with the LoRA adapters the replica holds."""
@@ -148,17 +176,19 @@ class ReplicaLoad:
         except ValueError:
             return None
 
-    def to_dict(self) -> dict[str, float | list[int] | list[str]]:
+    def to_dict(self) -> dict[str, float | dict[str, bytes] | list[str]]:
         """The return value of `record_routing_stats()`; `from_dict` reads it. Numbers, plus
-        the cached block hashes as a list of ints when reported, and the adapters held."""
-        data: dict[str, float | list[int] | list[str]] = {
+        the cached block hashes per tier, packed (`pack_hashes`), when reported, and the
+        adapters held."""
+        data: dict[str, float | dict[str, bytes] | list[str]] = {
             f.name: float(getattr(self, f.name)) for f in fields(self)
             if f.name not in _NOT_PLAIN_NUMBERS}
         data["max_waiting_requests"] = float(
             -1 if self.max_waiting_requests is None else self.max_waiting_requests)
         data["draining"] = 1.0 if self.draining else 0.0
         if self.cached_block_hashes is not None:
-            data["cached_block_hashes"] = list(self.cached_block_hashes)
+            data["cached_blocks"] = {tier: pack_hashes(hashes)
+                                     for tier, hashes in self.tier_hashes()}
             data["block_size"] = float(self.block_size)
         if self.lora_adapters:
             data["lora_adapters"] = sorted(self.lora_adapters)
@@ -175,7 +205,30 @@ class ReplicaLoad:
 
 
 _NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size",
-                      "lora_adapters")
+                      "lora_adapters", "lower_tier_hashes")
+_WORD = np.dtype("<u8")  # one stable hash on the wire: 8 bytes, little-endian
+
+
+def pack_hashes(hashes: Iterable[int]) -> bytes:
+    """Stable block hashes (unsigned 64-bit) as 8 little-endian bytes each."""
+    return np.fromiter(hashes, _WORD).tobytes()
+
+
+def unpack_hashes(packed: bytes) -> frozenset[int]:
+    """pack_hashes' inverse; ValueError unless it is whole 8-byte words."""
+    if len(packed) % _WORD.itemsize:
+        raise ValueError(f"packed block hashes must be 8-byte words, got {len(packed)} bytes")
+    return frozenset(np.frombuffer(packed, _WORD).tolist())
+
+
+def _hash_set(value: Any) -> frozenset[int]:  # noqa: ANN401
+    """One tier's hashes as the wire holds them: packed bytes, or a list of ints."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return unpack_hashes(bytes(value))
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(
+            isinstance(h, int) for h in value):
+        raise ValueError("cached block hashes must be packed bytes or a list of ints")
+    return frozenset(value)
 
 
 def _adapters_of(data: Mapping[str, Any]) -> frozenset[str]:
@@ -187,12 +240,17 @@ def _adapters_of(data: Mapping[str, Any]) -> frozenset[str]:
 
 
 def _cached_blocks_of(data: Mapping[str, Any]) -> dict[str, Any]:
-    """from_dict's cached_block_hashes and block_size fields (empty: not reported)."""
-    hashes = data.get("cached_block_hashes")
-    if hashes is None:
-        return {}
-    if not isinstance(hashes, (list, tuple, set, frozenset)) or not all(
-            isinstance(h, int) for h in hashes):
-        raise ValueError("cached_block_hashes must be a list of ints")
-    return {"cached_block_hashes": frozenset(hashes),
+    """from_dict's cached_block_hashes, lower_tier_hashes and block_size fields (empty: not
+    reported): the per-tier form, else the earlier device-only list."""
+    tiers = data.get("cached_blocks")
+    if tiers is None:
+        hashes = data.get("cached_block_hashes")
+        if hashes is None:
+            return {}
+        tiers = {DEVICE: hashes}
+    if not isinstance(tiers, Mapping):
+        raise ValueError("cached_blocks must map tier names to hashes")
+    known = {tier: _hash_set(value) for tier, value in tiers.items() if tier in KV_TIERS}
+    return {"cached_block_hashes": known.pop(DEVICE, frozenset()),
+            "lower_tier_hashes": {tier: h for tier, h in known.items() if h},
             "block_size": int(float(data.get("block_size", 0)))}

@@ -138,7 +138,7 @@ class LLMReplica:
         self._drain_timeout_s = drain_timeout_s
         self._num_requests = 0
         self._num_cancelled = 0  # streams closed before their end (disconnects)
-        self._cache_report: list[int] | None = None  # the last prefix-cache block hashes
+        self._cache_report: dict[str, list[int]] | None = None  # the last per-tier block hashes
         self._closed = False
         logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
 
@@ -194,7 +194,7 @@ class LLMReplica:
         the engine thread: the engine CPU time per step its simulated GPU waited for."""
         return await self.engine.call(_device_idle_report)
 
-    async def record_routing_stats(self) -> dict[str, float | list[int] | list[str]]:
+    async def record_routing_stats(self) -> dict[str, float | dict[str, bytes] | list[str]]:
         """Polled by the Serve controller for the request router (KVAwareRouter)."""
         load = self._load()
         try:

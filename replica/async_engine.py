@@ -164,8 +164,9 @@ class AsyncLLMEngine:
         """The snapshot taken after the latest step (or idle tick); safe from any thread."""
         return self._stats
 
-    async def cached_block_hashes(self) -> list[int] | None:
-        """The prefix cache's stable block hashes (`LLMEngine.cached_block_hashes`), taken
+    async def cached_block_hashes(self) -> dict[str, list[int]] | None:
+        """The prefix cache's stable block hashes per KV tier
+        (`LLMEngine.cached_block_hashes`), taken
         on the engine thread between steps: that thread alone changes the cache."""
         return await self.call(lambda engine: engine.cached_block_hashes())
 

@@ -334,11 +334,11 @@ class BlockManager(KVTierPlans):
             key = keys[block_id]
             if key is not None:
                 del cached[key]
+                if self.host is not None:  # first: the listener keeps a block the tier took
+                    self._store_in_host(block_id, key)
                 if listener is not None:
                     listener.evicted(key)
                 keys[block_id] = None
-                if self.host is not None:
-                    self._store_in_host(block_id, key)
             refs[block_id] = 1  # it was free: no table held it
         return taken
 

@@ -58,13 +58,16 @@ class EngineStatsReporting:
         self._block_hashes = BlockHashIndex()
         if self.block_manager.enable_prefix_caching:
             self.block_manager.cache_listener = self._block_hashes
+            if self.block_manager.host is not None:  # reported as the "host" tier
+                self.block_manager.host.listener = self._block_hashes
         # Only the model runner has a host KV tier (and only when kv_offloading_size is set).
         self._host_tier: HostKVTier | None = getattr(self.runner, "host_tier", None)
         self._disk_tier: DiskKVTier | None = getattr(self.runner, "disk_tier", None)
 
-    def cached_block_hashes(self) -> list[int] | None:
-        """The stable hashes (`block_hashes`) of the blocks in the prefix cache now, or
-        None when prefix caching is off. Call on the engine's thread, between steps."""
+    def cached_block_hashes(self) -> dict[str, list[int]] | None:
+        """Per KV tier ("device", "host"), the stable hashes (`block_hashes`) of the blocks
+        a prefix lookup would read there now, or None when prefix caching is off. Call on
+        the engine's thread, between steps."""
         if not self.block_manager.enable_prefix_caching:
             return None
         return self._block_hashes.report()

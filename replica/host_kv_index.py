@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from iterserve.replica.block_keys import BlockHash, BlockTokens
 
@@ -43,6 +44,14 @@ class HostEntry:
     stable: int = 0
 
 
+class HostTierListener(Protocol):
+    """Told of every block that joins or leaves the tier (the replica's index of stable
+    hashes for routers, replica/block_hashes.py; a tier below this one)."""
+
+    def host_stored(self, entry: HostEntry) -> None: ...
+    def host_evicted(self, entry: HostEntry) -> None: ...
+
+
 class HostKVIndex:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -59,6 +68,8 @@ class HostKVIndex:
         self.num_evicted = 0  # blocks that left the tier to make room
         # Told of each block evicted, with the slot it leaves (the disk tier writes it out).
         self.eviction_listener: Callable[[int, HostEntry], None] | None = None
+        # Told of every block joining or leaving (the stable hashes a replica reports).
+        self.listener: HostTierListener | None = None
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -93,6 +104,8 @@ class HostKVIndex:
         self._entries[slot] = entry
         self._slot_of[entry.key] = slot
         self._probation[slot] = None
+        if self.listener is not None:
+            self.listener.host_stored(entry)
         return slot
 
     def record_hit(self, slot: int) -> None:
@@ -130,6 +143,8 @@ class HostKVIndex:
                         del self._slot_of[entry.key]
                         if self.eviction_listener is not None:
                             self.eviction_listener(slot, entry)
+                        if self.listener is not None:
+                            self.listener.host_evicted(entry)
                     self._entries[slot] = None
                     self.num_evicted += 1
                     return slot

@@ -15,9 +15,18 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-from iterserve.replica.block_keys import ROOT_HASH, BlockTokens, block_tokens, namespaced
-from iterserve.replica.block_manager import BlockManager, BlockTable
+from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.kv_tiers import DiskTier, TierCopies
+from iterserve.replica.block_keys import (
+    ROOT_HASH,
+    BlockHash,
+    BlockTokens,
+    block_tokens,
+    namespaced,
+)
+from iterserve.replica.block_manager import BlockManager, BlockTable, host_hit, host_slot
 from iterserve.replica.free_block_pool import FreeBlockPool
+from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.request import Request
 
 _ANONYMOUS = -1  # an entry of the cached queue that any anonymous free block fills
@@ -93,11 +102,71 @@ class SimFreeBlockPool(FreeBlockPool):
 
 
 class SimBlockManager(BlockManager):
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 host: HostKVIndex | None = None, disk: DiskTier | None = None) -> None:
+        """host, disk: the KV tiers below the device (sim/kv_tiers.py); a disk needs a host."""
+        super().__init__(num_blocks, block_size, enable_prefix_caching, host)
         self.free_pool = SimFreeBlockPool(num_blocks)
         # Per request: the first block no other request can look up (`mark_private`).
         self.private_from: dict[str, int] = {}
+        self.disk = disk
+        if disk is not None:
+            if host is None:
+                raise ValueError("the disk tier is fed by a host tier's evictions")
+            host.listener = disk
+        self.disk_reads = 0  # blocks read from disk into the host tier, not yet charged
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """`BlockManager.find_cached_prefix`, the chain continued on disk where the device
+        and the host tier miss: a block found there is read into the host tier (and listed
+        as a host hit, copied on from there), as HiCache and LMCache stage disk reads."""
+        hits = super().find_cached_prefix(request)
+        max_blocks = self._max_hit_blocks(request)
+        if self.disk is None or len(hits) >= max_blocks or request.num_computed_tokens > 0 \
+                or request.wants_prompt_logprobs or not self.enable_prefix_caching:
+            return hits
+        host = self.host
+        for hit in hits:  # reading disk blocks in evicts host blocks: not these
+            if hit < 0:
+                host.pin(host_slot(hit))
+        parent = ROOT_HASH if not hits else (
+            self.block_keys[hits[-1]] if hits[-1] >= 0 else host.entry(host_slot(hits[-1])).key)
+        size, width = self.block_size, 8 * self.block_size
+        packed = request.prompt_token_bytes  # the bytes block_tokens makes, as the engine's
+        tokens = request.all_token_ids if packed is None or max_blocks * width > len(packed) \
+            else None
+        for i in range(len(hits), max_blocks):
+            chunk = packed[i * width:(i + 1) * width] if tokens is None \
+                else block_tokens(tokens[i * size:(i + 1) * size])
+            key = hash((parent, namespaced(request.cache_namespace, chunk) if i == 0 else chunk))
+            parent = key
+            block_id = self.cached_blocks.get(key)
+            if block_id is not None:
+                hits.append(block_id)
+                continue
+            slot = host.lookup(key)
+            if slot is None:
+                slot = self._read_from_disk(key)
+                if slot is None:
+                    break
+            host.pin(slot)
+            hits.append(host_hit(slot))
+        return hits
+
+    def _read_from_disk(self, key: BlockHash) -> int | None:
+        """The host slot a block found on disk is read into, or None (not on disk, or no
+        host slot free of this step's pins)."""
+        disk = self.disk.index
+        disk_slot = disk.lookup(key)
+        if disk_slot is None:
+            return None
+        entry = disk.entry(disk_slot)
+        disk.record_hit(disk_slot)  # recency and frequency, as the host tier keeps them
+        disk.unpin_all()  # nothing copies out of a disk slot within a step
+        slot = self.host.store(entry)
+        if slot is not None:
+            self.disk_reads += 1
+        return slot
 
     def mark_private(self, request_id: str, first_block: int) -> None:
         """No other request's prompt holds this request's tokens from its block first_block
@@ -187,6 +256,8 @@ class SimBlockManager(BlockManager):
                 keys[block_id] = key
                 if self.cache_listener is not None:
                     self.cache_listener.stored(key, parent, chunk)
+                if self.block_origins is not None:  # what a host tier keeps of it
+                    self.block_origins[block_id] = (parent, chunk)
             registered[rid] = (end, key)
         return len(requests)
 
@@ -214,3 +285,19 @@ class SimBlockManager(BlockManager):
         filled = min(num_computed_tokens // self.block_size, len(table)) - private
         num_unfilled = len(tail) - max(filled, 0)
         return tail[:num_unfilled], tail[num_unfilled:]
+
+
+def tiered_block_manager(num_blocks: int, config: ClusterSimConfig
+                         ) -> tuple[SimBlockManager, TierCopies | None]:
+    """A replica's block manager of num_blocks, with the KV tiers config.kv_tiers asks for
+    below it, and the accounting of their copies (None: no tiers)."""
+    tiers = config.kv_tiers
+    if tiers is None or tiers.host_gib <= 0 or not config.enable_prefix_caching:
+        return SimBlockManager(num_blocks, config.block_size,
+                               config.enable_prefix_caching), None
+    per_block = config.sim.kv_bytes_per_token * config.block_size
+    host = HostKVIndex(max(1, tiers.num_blocks(tiers.host_gib, per_block)))
+    disk = DiskTier(max(1, tiers.num_blocks(tiers.disk_gib, per_block))) \
+        if tiers.disk_gib > 0 else None
+    manager = SimBlockManager(num_blocks, config.block_size, True, host, disk)
+    return manager, TierCopies(tiers, per_block)

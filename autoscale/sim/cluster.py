@@ -53,6 +53,7 @@ from iterserve.autoscale.autoscaling_policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.itl import ItlCounter
+from iterserve.autoscale.sim.kv_tiers import tier_tokens
 from iterserve.autoscale.sim.prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes
 from iterserve.autoscale.sim.results import RequestRecord, SimResult
@@ -115,6 +116,7 @@ class ClusterSim:
         self._free_position: dict[str, int] = {}  # replica id -> its place in _free_ids
         self.prompt_keys = PromptBlockKeys(config.block_size)
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
+        self._prefix_tiers = self.prefix_cache.tiers if config.kv_tiers is not None else None
         self.packed_prefixes = PackedPrefixes()
         self.published: dict[str, ReplicaLoad] = {}
         self.itl = ItlCounter()
@@ -210,7 +212,9 @@ class ClusterSim:
         slot.replica = SimulatedReplica(slot.replica_id, self.config, self.now, self.prompt_keys,
                                   self.packed_prefixes)
         if self.config.enable_prefix_caching:
-            self.prefix_cache.add_replica(slot.replica_id, slot.replica.block_manager.cached_blocks)
+            bm = slot.replica.block_manager
+            lower = [t for t in (bm.host, bm.disk.index if bm.disk else None) if t is not None]
+            self.prefix_cache.add_replica(slot.replica_id, bm.cached_blocks, lower)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)
         self._push(self.now + phase, POLL, slot)
         if self.autoscaler is not None:
@@ -247,7 +251,7 @@ class ClusterSim:
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
                              spec.arrival_time, spec.session_id)
         ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache,
-                             OfferDelta(router.offered, changed))
+                             OfferDelta(router.offered, changed), self._prefix_tiers)
         chosen = router.policy.choose(ctx, router.rng)
         slot = self._slot_by_id.get(chosen)
         if slot is None or slot.state != RUNNING or slot.ongoing >= limit:  # not offered
@@ -438,6 +442,7 @@ class ClusterSim:
             end_time=end,
             prefix_query_tokens=sum(e.block_manager.prefix_queries for e in engines),
             prefix_hit_tokens=sum(e.block_manager.prefix_hits for e in engines),
+            tier_tokens=tier_tokens(engines) if self.config.kv_tiers is not None else {},
             itl_counts=self.itl.histogram(),
             num_steps=sum(e.num_steps for e in engines),
             router_names=[r.policy.name for r in self.routers],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from iterserve.autoscale.sim.kv_tiers import SimKVTiers
 from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import SimulatorConfig
 
@@ -49,6 +50,10 @@ class ClusterSimConfig:
     this long after them (Dynamo's router replica sync; the routers must be
     `PeerSyncedPolicy`); None, as on Ray Serve, routers share nothing.
 
+    kv_tiers: where set, each replica has a host KV tier (and a disk tier below it) of
+    these sizes and bandwidths: the device's evictions go there, lookups continue there,
+    and each step lasts its copies longer (sim/kv_tiers.py).
+
     engine_waits: where set, every step that follows its replica's previous step at once
     lasts the cost model's time plus a wait drawn from it (the engine's own CPU time,
     measured in a Ray run by the replicas' DeviceIdleMeter), from the replica's own seeded
@@ -77,6 +82,7 @@ class ClusterSimConfig:
     stream_latency_s: float = 0.0
     engine_waits: WaitDistribution | None = None  # engine CPU before each continuing step
     router_sync_delay_s: float | None = None
+    kv_tiers: SimKVTiers | None = None  # host / disk KV tiers per replica (sim/kv_tiers.py)
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",

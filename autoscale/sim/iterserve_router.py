@@ -27,6 +27,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
@@ -111,10 +112,21 @@ class IterserveRouter:
 
     def _cache_answers(self, ctx: RoutingContext, views: Sequence[ReplicaView],
                        ids: Sequence[Hashable]) -> Mapping[Hashable, int] | None:
-        """The replicas' own prefix-cache answers for this prompt, if used and known."""
+        """The replicas' own prefix-cache answers for this prompt, if used and known: with
+        KV tiers and RouterConfig.score_kv_tiers, each tier's tokens charged their copy
+        time (kv_tier_costs, as the Ray adapter reads the per-tier reports); else the
+        device's alone."""
         if not self.use_replica_cache:
             return None
         prompt = ctx.request.prompt_token_ids
+        if ctx.prefix_tiers is not None and self.config.score_kv_tiers:
+            tiers = ctx.prefix_tiers(prompt, ids)
+            if not tiers:
+                return tiers
+            loads = {v.replica_id: v.load for v in views}
+            return {rid: counts[0] if not any(counts[1:]) else
+                    charged_hit(counts, tier_fractions(loads[rid], self.config))
+                    for rid, counts in tiers.items()}
         if ctx.prefix_cache is not None:  # the caller answers for every replica at once
             return ctx.prefix_cache(prompt, ids)
         if all(v.cached_prefix_tokens is not None for v in views):

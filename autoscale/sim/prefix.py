@@ -10,9 +10,10 @@ first block).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 
 from iterserve.autoscale.sim.prompts import SyntheticPrompt
+from iterserve.replica.block_hashes import KV_TIERS
 from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
@@ -77,6 +78,29 @@ class PromptBlockKeys:
         return n
 
 
+    def tier_counts(self, token_ids: Sequence[int], tiers: Sequence[Container[BlockHash]]
+                    ) -> list[int]:
+        """Per tier (KV_TIERS order: device, host, disk), how many of the prompt's leading
+        tokens are found there, the chain running on while some tier holds its next block
+        (each block counted in the first tier holding it), as the block manager's lookup
+        runs on through its tiers."""
+        self._start(token_ids)
+        keys, size = self._keys, self.block_size
+        counts = [0] * len(KV_TIERS)
+        n = 0
+        while n < self._max_blocks:
+            if n == len(keys):
+                parent = keys[-1] if keys else ROOT_HASH
+                keys.append(block_hash(parent, block_tokens(token_ids[n * size : (n + 1) * size])))
+            key = keys[n]
+            rank = next((i for i, tier in enumerate(tiers) if key in tier), None)
+            if rank is None:
+                break
+            counts[rank] += size
+            n += 1
+        return counts
+
+
 class ClusterPrefixCache:
     """Every replica's answer to "how many leading tokens of this prompt do you cache" in
     one call (`RoutingContext.prefix_cache`), from a cluster-wide index of who could.
@@ -94,13 +118,40 @@ class ClusterPrefixCache:
         self.keys = keys
         self._caches: dict[Hashable, dict[BlockHash, int]] = {}
         self._sent: dict[BlockHash, list[Hashable]] = {}  # first block's key -> replicas sent one
+        self._tiers: dict[Hashable, list[Container[BlockHash]]] = {}  # device, host, disk
 
-    def add_replica(self, replica_id: Hashable, cached_blocks: dict[BlockHash, int]) -> None:
-        """cached_blocks: the replica's BlockManager.cached_blocks (prefix caching on)."""
+    def add_replica(self, replica_id: Hashable, cached_blocks: dict[BlockHash, int],
+                    lower_tiers: Sequence[Container[BlockHash]] = ()) -> None:
+        """cached_blocks: the replica's BlockManager.cached_blocks (prefix caching on);
+        lower_tiers: the indexes of its KV tiers below the device, best first."""
         self._caches[replica_id] = cached_blocks
+        if lower_tiers:
+            self._tiers[replica_id] = [cached_blocks, *lower_tiers]
 
     def remove_replica(self, replica_id: Hashable) -> None:
         self._caches.pop(replica_id, None)
+        self._tiers.pop(replica_id, None)
+
+    def tiers(self, token_ids: Sequence[int], replica_ids: Sequence[Hashable]
+              ) -> dict[Hashable, list[int]]:
+        """`RoutingContext.prefix_tiers`: per replica holding some of the prompt in some
+        tier, its leading tokens per tier (`PromptBlockKeys.tier_counts`). A block reaches a
+        lower tier only by leaving the device of the replica sent it, so the replicas sent
+        the prompt's first block are still the only ones to ask."""
+        first = self.keys.first_key(token_ids)
+        sent = None if first is None else self._sent.get(first)
+        if sent is None:
+            return {}
+        asked, answers = set(replica_ids), {}
+        for rid in sent:
+            tiers = self._tiers.get(rid)
+            if tiers is None:
+                tiers = [self._caches.get(rid, _NONE)]
+            if rid in asked:
+                counts = self.keys.tier_counts(token_ids, tiers)
+                if any(counts):
+                    answers[rid] = counts
+        return answers
 
     def routed(self, replica_id: Hashable, token_ids: Sequence[int], max_tokens: int,
                output_token_id: int) -> None:

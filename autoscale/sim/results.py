@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from iterserve.autoscale.percentile import percentile, percentile_of_counts
@@ -65,6 +65,8 @@ class SimResult:
     num_steps: int
     router_names: list[str]
     autoscaler_name: str | None
+    # With KV tiers (ClusterSimConfig.kv_tiers): their traffic (sim.kv_tiers.tier_tokens)
+    tier_tokens: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------- summaries
     def ttfts(self) -> list[float]:
@@ -117,7 +119,16 @@ class SimResult:
             "gpu_hours": self.gpu_seconds / 3600.0,
             "end_time_s": self.end_time,
             "engine_steps": self.num_steps,
+            **self._tier_summary(),
         }
+
+    def _tier_summary(self) -> dict[str, Any]:
+        """With KV tiers: the hit rate counting every tier, and the tiers' traffic."""
+        if not self.tier_tokens:
+            return {}
+        hits = self.prefix_hit_tokens + self.tier_tokens["host_hit_tokens"]
+        return {"all_tier_hit_rate": hits / self.prefix_query_tokens
+                if self.prefix_query_tokens else 0.0, "kv_tiers": dict(self.tier_tokens)}
 
     def to_json(self) -> str:
         """Canonical JSON of the whole result: equal runs give equal strings."""

@@ -59,6 +59,11 @@ class ReplicaView:
 PrefixCacheAnswers = Callable[[Sequence[int], Sequence[Hashable]], Mapping[Hashable, int]]
 
 
+# (prompt, replica ids) -> {replica id: the prompt's leading cached tokens per KV tier
+# (replica/block_hashes.KV_TIERS order)}, replicas holding none of it in any tier left out.
+PrefixTierAnswers = Callable[[Sequence[int], Sequence[Hashable]], Mapping[Hashable, list[int]]]
+
+
 @dataclass(frozen=True)
 class OfferDelta:
     """What changed in the replicas offered since this policy's previous request, where the
@@ -81,7 +86,10 @@ class RoutingContext:
     the replicas in one call (the cluster simulator: one lookup per replica cache rather
     than a call per replica), that call; the answers are the views' own. offer: what
     changed since this policy's previous request, where the caller knows (a policy may
-    skip the per-replica work for the rest; the decision is the same without it)."""
+    skip the per-replica work for the rest; the decision is the same without it).
+    prefix_tiers: where the replicas have KV tiers below the device, every replica's
+    answer per tier (what their per-tier block-hash reports say); prefix_cache answers for
+    the device alone, as a router reading device-only KV events sees it."""
 
     request: RouteRequest
     replicas: Sequence[ReplicaView]
@@ -89,6 +97,7 @@ class RoutingContext:
     block_size: int  # the engines' KV block size (the router's prefix granularity)
     prefix_cache: PrefixCacheAnswers | None = None
     offer: OfferDelta | None = None
+    prefix_tiers: PrefixTierAnswers | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Sequence
 
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.autoscale.sim.block_manager import SimBlockManager
+from iterserve.autoscale.sim.block_manager import tiered_block_manager
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.decodes import DecodeCohort, Decoder
 from iterserve.autoscale.sim.prefix import PromptBlockKeys
@@ -83,8 +83,8 @@ class SimulatedReplica:
         self.replica_id = replica_id
         self.config = config
         self.cost: CostModel = config.sim.cost
-        self.block_manager = SimBlockManager(kv_blocks_for(config), config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager, self.tier_copies = tiered_block_manager(kv_blocks_for(config),
+                                                                    config)
         self.prompt_keys = prompt_keys or PromptBlockKeys(config.block_size)
         self.packed_prefixes = packed_prefixes or PackedPrefixes()
         self.scheduler_config = SchedulerConfig(
@@ -242,6 +242,10 @@ class SimulatedReplica:
         """The step's end: its modelled time, after an engine-CPU wait where one is drawn."""
         if self.engine_waits is not None and continuing:
             duration += self.engine_waits.draw(self._wait_rng.random(), num_seqs)
+        if self.tier_copies is not None:  # the step's KV copies run before its forward
+            bm = self.block_manager
+            duration += self.tier_copies.take_step_seconds(bm, bm.disk_reads, self._step)
+            bm.disk_reads = 0
         self._step_prefill = (prefill, duration)
         self.step_end = now + duration
 

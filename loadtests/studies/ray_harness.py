@@ -187,9 +187,9 @@ class ReplicaStatsPoller:
             if stats:
                 # A sample keeps the count of the prefix-cache hashes, not the hashes: a run
                 # takes thousands of samples and each may list tens of thousands of blocks.
-                hashes = stats.pop("cached_block_hashes", None)
-                if hashes is not None:
-                    stats["num_cached_block_hashes"] = len(hashes)
+                tiers = stats.pop("cached_blocks", None)
+                if tiers is not None:  # 8 bytes a hash (signals.pack_hashes)
+                    stats["num_cached_block_hashes"] = sum(len(b) for b in tiers.values()) // 8
                 self.samples.append({"t": now, "replica": name[len(self.prefix):], **stats})
         status = serve.status().applications.get(self.app_name)
         if status is not None and self.deployment in status.deployments:

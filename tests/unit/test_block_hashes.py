@@ -45,7 +45,7 @@ request.num_computed_tokens = 13
 manager.mark_computed(request)
 manager.free(request)
 print(json.dumps({"chain": prompt_block_hashes(list(range(1, 14)), 4),
-                  "report": sorted(index.report()),
+                  "report": sorted(index.report()["device"]),
                   "salted": hash(b"salted")}))
 """
 
@@ -118,22 +118,22 @@ def indexed(num_blocks: int, limit: int = 32768) -> tuple[BlockManager, BlockHas
 
 def test_report_after_a_request_ran_and_after_eviction() -> None:
     manager, index = indexed(8)
-    assert index.report() == []
+    assert index.report()["device"] == []
     run_and_free(manager, "a", PROMPT)  # 13 tokens: 4 blocks held, 3 full ones cached
     chain = prompt_block_hashes(PROMPT, BLOCK)
-    assert sorted(index.report()) == sorted(chain)
+    assert sorted(index.report()["device"]) == sorted(chain)
     assert index.num_hashed == 3
     run_and_free(manager, "again", PROMPT)  # all hits: nothing new cached, nothing hashed
-    assert sorted(index.report()) == sorted(chain) and index.num_hashed == 3
+    assert sorted(index.report()["device"]) == sorted(chain) and index.num_hashed == 3
     # a request needing 6 blocks takes the 5 uncached ones and evicts one cached block: the
     # tail of the chain (freed first), so the head two are still reported
     big = Request("b", [500] * 21, SamplingParams(max_tokens=1), 0.0)
     manager.allocate(big, 21)
-    assert sorted(index.report()) == sorted(chain[:2]) and len(index) == 2
+    assert sorted(index.report()["device"]) == sorted(chain[:2]) and len(index) == 2
     manager.free(big)  # never computed: nothing of it was cached
     everything = Request("c", [600] * 32, SamplingParams(max_tokens=1), 0.0)
     manager.allocate(everything, 32)  # all 8 blocks: the whole cache is evicted
-    assert index.report() == [] and len(index) == 0
+    assert index.report()["device"] == [] and len(index) == 0
 
 
 def test_a_block_whose_parent_is_not_indexed_is_left_out() -> None:
@@ -147,13 +147,13 @@ def test_a_block_whose_parent_is_not_indexed_is_left_out() -> None:
         parent = blocks[-1][0]
     index.stored(*blocks[1])  # its parent was never stored: unreachable, and so its child
     index.stored(*blocks[2])
-    assert index.report() == [] and index.num_hashed == 0
+    assert index.report()["device"] == [] and index.num_hashed == 0
     for block in blocks:
         index.stored(*block)
-    assert sorted(index.report()) == sorted(chain)
+    assert sorted(index.report()["device"]) == sorted(chain)
     index.evicted(blocks[0][0])  # the head leaves: the others stay until evicted themselves
-    assert sorted(index.report()) == sorted(chain[1:])
-    assert leading_run(chain, frozenset(index.report())) == 0  # and no prompt counts them
+    assert sorted(index.report()["device"]) == sorted(chain[1:])
+    assert leading_run(chain, frozenset(index.report()["device"])) == 0  # and no prompt counts them
 
 
 def test_a_report_over_the_limit_keeps_the_shallowest_blocks() -> None:
@@ -162,7 +162,7 @@ def test_a_report_over_the_limit_keeps_the_shallowest_blocks() -> None:
     other = [50 + t for t in PROMPT]
     run_and_free(manager, "b", other)
     heads = prompt_block_hashes(PROMPT, BLOCK)[:2] + prompt_block_hashes(other, BLOCK)[:2]
-    assert sorted(index.report()) == sorted(heads)
+    assert sorted(index.report()["device"]) == sorted(heads)
 
 
 def test_a_shared_prefix_is_hit_and_reported_once() -> None:
@@ -170,7 +170,7 @@ def test_a_shared_prefix_is_hit_and_reported_once() -> None:
     run_and_free(manager, "a", PROMPT)
     longer = PROMPT[:12] + [90] * 9  # shares 3 blocks, adds 2 more full ones
     run_and_free(manager, "b", longer)
-    assert sorted(index.report()) == sorted(prompt_block_hashes(longer, BLOCK))
+    assert sorted(index.report()["device"]) == sorted(prompt_block_hashes(longer, BLOCK))
     assert index.num_hashed == 5
 
 
@@ -178,7 +178,7 @@ def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
     from iterserve.replica.async_engine import AsyncLLMEngine
     from iterserve.replica.config import EngineConfig
 
-    async def run() -> tuple[list[int] | None, list[int] | None, list[int]]:
+    async def run() -> tuple[dict | None, dict | None, list[int]]:
         engine = AsyncLLMEngine(EngineConfig.from_kwargs(
             runner="simulated", max_model_len=512, enable_prefix_caching=True))
         try:
@@ -193,7 +193,7 @@ def test_the_async_engine_reports_a_finished_prompts_blocks() -> None:
             engine.shutdown()
 
     before, after, chain = asyncio.run(run())
-    assert before == [] and set(chain) <= set(after)
+    assert before == {"device": []} and set(chain) <= set(after["device"])
     assert len(chain) == 5
 
 
@@ -253,7 +253,7 @@ def test_the_index_answers_as_the_block_managers_own_lookups_do() -> None:
         run_and_free(manager, f"r{step}", prompt())
         num_cached += len(set(manager.cached_blocks) - before)
         assert index.num_hashed == num_cached, step
-        reported = index.report()
+        reported = index.report()["device"]
         assert len(reported) == len(set(reported)) == len(index) <= len(manager.cached_blocks)
         assert _reachable_hashes(manager.cached_blocks, recorder.links) <= set(reported), step
         for probe_tokens in (prompt(), prompt()):

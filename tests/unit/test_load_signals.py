@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -10,6 +11,8 @@ from iterserve.autoscale.signals import (
     AUTOSCALING_METRICS,
     ROUTING_STATS_PERIOD_S,
     ReplicaLoad,
+    pack_hashes,
+    unpack_hashes,
 )
 from iterserve.replica.stats import EngineStats
 
@@ -83,11 +86,12 @@ def test_the_wire_dict_is_numbers_and_round_trips():
 
 def test_cached_block_hashes_round_trip_and_stay_out_of_the_autoscaling_metrics():
     plain = ReplicaLoad.from_engine_stats(stats())
-    assert "cached_block_hashes" not in plain.to_dict() and plain.cached_block_hashes is None
+    assert "cached_blocks" not in plain.to_dict() and plain.cached_block_hashes is None
     hashes = [2**64 - 1, 7, 123456789]
     load = plain.with_cached_blocks(hashes, 16)
-    wire = json.loads(json.dumps(load.to_dict()))
-    assert sorted(wire["cached_block_hashes"]) == sorted(hashes) and wire["block_size"] == 16
+    wire = pickle.loads(pickle.dumps(load.to_dict()))  # Ray pickles the routing stats
+    assert unpack_hashes(wire["cached_blocks"]["device"]) == set(hashes) and wire["block_size"] == 16
+    assert len(wire["cached_blocks"]["device"]) == 8 * len(hashes)  # packed: 8 bytes a hash
     back = ReplicaLoad.from_dict(wire)
     assert back == load and back.cached_block_hashes == frozenset(hashes)
     assert back.block_size == 16 and len(back.cached_block_hashes) == 3
@@ -96,5 +100,30 @@ def test_cached_block_hashes_round_trip_and_stay_out_of_the_autoscaling_metrics(
     assert plain.with_cached_blocks(None, 16) == plain
     empty = ReplicaLoad.from_dict(plain.with_cached_blocks([], 16).to_dict())
     assert empty.cached_block_hashes == frozenset()  # reported, holding nothing
-    assert ReplicaLoad.try_from_dict({**wire, "cached_block_hashes": "abc"}) is None
+    assert ReplicaLoad.try_from_dict({**wire, "cached_blocks": {"device": b"abc"}}) is None
+    assert ReplicaLoad.try_from_dict({**wire, "cached_blocks": "abc"}) is None
     assert ReplicaLoad.try_from_dict({**wire, "block_size": 0}) is None
+
+
+@pytest.mark.parametrize("tiers", [{"device": [1, 2]}, {"device": [1], "host": [2, 3]},
+                                   {"device": [], "host": [5], "disk": [2**64 - 1, 9]},
+                                   {"device": [4], "disk": [8]}])
+def test_each_tiers_hashes_round_trip(tiers: dict[str, list[int]]) -> None:
+    load = ReplicaLoad.from_engine_stats(stats()).with_cached_blocks(tiers, 16)
+    back = ReplicaLoad.from_dict(pickle.loads(pickle.dumps(load.to_dict())))
+    assert back == load
+    assert dict(back.tier_hashes()) == {t: frozenset(h) for t, h in tiers.items()
+                                        if h or t == "device"}
+
+
+def test_the_earlier_wire_form_and_unknown_tiers_still_read() -> None:
+    """A replica from before the tiers sent a list of ints under cached_block_hashes (the
+    device tier); a newer one may name a tier this router does not know: skipped."""
+    plain = ReplicaLoad.from_engine_stats(stats()).to_dict()
+    old = ReplicaLoad.from_dict({**plain, "cached_block_hashes": [3, 4], "block_size": 16.0})
+    assert old.cached_block_hashes == frozenset({3, 4}) and old.tier_hashes()[1:] == []
+    newer = ReplicaLoad.from_dict({**plain, "block_size": 16.0, "cached_blocks": {
+        "device": pack_hashes([1]), "host": pack_hashes([2]), "remote": pack_hashes([3])}})
+    assert newer.tier_hashes() == [("device", frozenset({1})), ("host", frozenset({2}))]
+    with pytest.raises(ValueError, match="tiers"):
+        ReplicaLoad.from_engine_stats(stats()).with_cached_blocks({"remote": [1]}, 16)
