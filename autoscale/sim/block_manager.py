@@ -109,7 +109,7 @@ class SimBlockManager(BlockManager):
         self.free_pool = SimFreeBlockPool(num_blocks)
         # Per request: the first block no other request can look up (`mark_private`).
         self.private_from: dict[str, int] = {}
-        self.disk = disk
+        self.sim_disk = disk  # not BlockManager.disk: the engine's real disk tier stays None
         if disk is not None:
             if host is None:
                 raise ValueError("the disk tier is fed by a host tier's evictions")
@@ -122,7 +122,7 @@ class SimBlockManager(BlockManager):
         as a host hit, copied on from there), as HiCache and LMCache stage disk reads."""
         hits = super().find_cached_prefix(request)
         max_blocks = self._max_hit_blocks(request)
-        if self.disk is None or len(hits) >= max_blocks or request.num_computed_tokens > 0 \
+        if self.sim_disk is None or len(hits) >= max_blocks or request.num_computed_tokens > 0 \
                 or request.wants_prompt_logprobs or not self.enable_prefix_caching:
             return hits
         host = self.host
@@ -156,7 +156,7 @@ class SimBlockManager(BlockManager):
     def _read_from_disk(self, key: BlockHash) -> int | None:
         """The host slot a block found on disk is read into, or None (not on disk, or no
         host slot free of this step's pins)."""
-        disk = self.disk.index
+        disk = self.sim_disk.index
         disk_slot = disk.lookup(key)
         if disk_slot is None:
             return None

@@ -213,7 +213,7 @@ class ClusterSim:
                                   self.packed_prefixes)
         if self.config.enable_prefix_caching:
             bm = slot.replica.block_manager
-            lower = [t for t in (bm.host, bm.disk.index if bm.disk else None) if t is not None]
+            lower = [t for t in (bm.host, bm.sim_disk.index if bm.sim_disk else None) if t is not None]
             self.prefix_cache.add_replica(slot.replica_id, bm.cached_blocks, lower)
         phase = self.rng.uniform(0.0, self.config.routing_stats_period_s)
         self._push(self.now + phase, POLL, slot)
