@@ -25,6 +25,7 @@ the writer, under one lock.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import queue
@@ -150,6 +151,15 @@ class DiskKVTier:
         """(bytes copied, seconds, errors), copied under the lock the writer updates them in."""
         with self._lock:
             return dict(self.bytes_copied), dict(self.copy_seconds), dict(self.errors)
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """The stable hashes of at most `limit` files, the ones read back first, then the
+        others, most recent first within each (what a replica reports to routers: files
+        found at start-up included, written by this replica before a restart)."""
+        with self._lock:
+            held = itertools.chain(reversed(self._files.protected),
+                                   reversed(self._files.probation))
+            return list(itertools.islice(held, max(0, limit)))
 
     def touch(self, stable_hash: int) -> None:
         """The block is wanted again (its host copy was evicted while this one stayed)."""

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from iterserve.replica.block_hashes import BlockHashIndex
+from iterserve.replica.block_hashes import DISK, BlockHashIndex
 from iterserve.replica.outputs import SchedulerOutput
 from iterserve.replica.prefill_rate import RATE_WINDOW_S, PrefillRateMeter
 from iterserve.replica.request import Request
@@ -65,12 +65,20 @@ class EngineStatsReporting:
         self._disk_tier: DiskKVTier | None = getattr(self.runner, "disk_tier", None)
 
     def cached_block_hashes(self) -> dict[str, list[int]] | None:
-        """Per KV tier ("device", "host"), the stable hashes (`block_hashes`) of the blocks
-        a prefix lookup would read there now, or None when prefix caching is off. Call on
-        the engine's thread, between steps."""
+        """Per KV tier ("device", "host", "disk"), the stable hashes (`block_hashes`) of the
+        blocks a prefix lookup would read there now, or None when prefix caching is off.
+        The disk tier fills what room the others leave in the report (its own index is
+        keyed by the same stable hashes; a block also held above is reported in both, and
+        a router counts its best tier). Call on the engine's thread, between steps."""
         if not self.block_manager.enable_prefix_caching:
             return None
-        return self._block_hashes.report()
+        report = self._block_hashes.report()
+        if self._disk_tier is not None:
+            room = self._block_hashes.limit - sum(len(hashes) for hashes in report.values())
+            on_disk = self._disk_tier.recent_hashes(room)
+            if on_disk:
+                report[DISK] = on_disk
+        return report
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)

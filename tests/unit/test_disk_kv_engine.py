@@ -251,3 +251,28 @@ def test_cached_tokens_over_http_count_the_blocks_read_from_disk(model_path: str
         assert engine.engine.block_manager.disk_hits == 5 * BLOCK
     finally:
         engine.shutdown()
+
+
+def test_the_replicas_report_names_the_prefixes_on_disk(model_path: str,
+                                                        tmp_path: Path) -> None:
+    """Blocks pushed through the host tier onto disk are reported under "disk", and a router
+    reading the report finds a returning turn's history there (a restarted engine's files
+    included): the router charges them a disk read, not a prefill."""
+    from iterserve.autoscale.replica_cache_reports import cached_prefix_tiers
+    from iterserve.autoscale.signals import ReplicaLoad
+
+    engine = engine_at(model_path, tmp_path)
+    histories = first_turns()
+    turns(engine, histories)
+    push_to_disk(engine)
+    report = engine.cached_block_hashes()
+    assert report is not None and report.get("disk")
+    engine.runner.disk_tier.close()
+    restarted = engine_at(model_path, tmp_path)
+    report = restarted.cached_block_hashes()
+    assert report is not None and report.get("disk") and not report.get("host")
+    load = ReplicaLoad(kv_usage=0.0, num_waiting=0, num_running=0, num_free_blocks=1,
+                       num_total_blocks=1, step_token_rate=0.0, timestamp=0.0,
+                       ).with_cached_blocks(report, BLOCK)
+    tiers = cached_prefix_tiers(histories[0], ["r"], [load])
+    assert tiers is not None and tiers["r"][2] == PROMPT_BLOCKS * BLOCK  # [device, host, disk]
