@@ -54,6 +54,7 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.itl import ItlCounter
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
+from iterserve.autoscale.sim.lora import adapter_loads
 from iterserve.autoscale.sim.prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes
 from iterserve.autoscale.sim.results import RequestRecord, SimResult
@@ -249,7 +250,7 @@ class ClusterSim:
         router.changed.clear()
         views = router.offered.copy()
         route = RouteRequest(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
-                             spec.arrival_time, spec.session_id)
+                             spec.arrival_time, spec.session_id, spec.adapter)
         ctx = RoutingContext(route, views, self.now, self.config.block_size, self.prefix_cache,
                              OfferDelta(router.offered, changed), self._prefix_tiers)
         chosen = router.policy.choose(ctx, router.rng)
@@ -444,6 +445,8 @@ class ClusterSim:
             prefix_hit_tokens=sum(e.block_manager.prefix_hits for e in engines),
             tier_tokens=tier_tokens(engines) if self.config.kv_tiers is not None else {},
             itl_counts=self.itl.histogram(),
+            adapter_loads=adapter_loads(e.adapters for e in engines if e.adapters is not None)
+            if self.config.lora is not None else {},
             num_steps=sum(e.num_steps for e in engines),
             router_names=[r.policy.name for r in self.routers],
             autoscaler_name=None if self.autoscaler is None else self.autoscaler.name,

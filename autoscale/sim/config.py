@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from iterserve.autoscale.sim.kv_tiers import SimKVTiers
+from iterserve.autoscale.sim.lora import SimLoRA
 from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import SimulatorConfig
 
@@ -54,6 +55,10 @@ class ClusterSimConfig:
     these sizes and bandwidths: the device's evictions go there, lookups continue there,
     and each step lasts its copies longer (sim/kv_tiers.py).
 
+    lora: where set, each replica holds LoRA adapters (device slots, a host LRU) and a step
+    whose requests use one not on the device lasts its load longer (sim/lora.py); the
+    replicas report the adapters they hold. None: requests' adapters are ignored.
+
     engine_waits: where set, every step that follows its replica's previous step at once
     lasts the cost model's time plus a wait drawn from it (the engine's own CPU time,
     measured in a Ray run by the replicas' DeviceIdleMeter), from the replica's own seeded
@@ -83,6 +88,7 @@ class ClusterSimConfig:
     engine_waits: WaitDistribution | None = None  # engine CPU before each continuing step
     router_sync_delay_s: float | None = None
     kv_tiers: SimKVTiers | None = None  # host / disk KV tiers per replica (sim/kv_tiers.py)
+    lora: SimLoRA | None = None  # LoRA adapter slots and load costs per replica (sim/lora.py)
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",

@@ -18,6 +18,10 @@ Where the caller says what changed since this router's previous request
 (`RoutingContext.offer`, as the simulator does), the own-tracker router keeps that list's
 rows and redoes per-replica work only for the changed views (`KVRouterCore.best_offered`):
 the same decision and the same random draws (tests/unit/test_router_offer.py).
+
+A request naming a LoRA adapter (`RouteRequest.adapter`) is ranked in full (`rank`) and the
+ranking goes through `prefer_adapter_holders`, as the Ray adapter's `choose_replicas` does;
+lora_affinity=False leaves the adapter out (the score alone decides).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
+from iterserve.autoscale.lora_affinity import prefer_adapter_holders
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
@@ -49,8 +54,8 @@ class IterserveRouter:
     in_flight: where the in-flight corrections come from (module docstring)."""
 
     def __init__(self, config: RouterConfig | None = None, name: str = "iterserve",
-                 use_replica_cache: bool = True, in_flight: InFlightSource = OWN_TRACKER
-                 ) -> None:
+                 use_replica_cache: bool = True, in_flight: InFlightSource = OWN_TRACKER,
+                 lora_affinity: bool = True) -> None:
         if in_flight not in (OWN_TRACKER, CALLER_VIEWS):
             raise ValueError(f"in_flight must be {OWN_TRACKER!r} or {CALLER_VIEWS!r}, "
                              f"got {in_flight!r}")
@@ -59,6 +64,7 @@ class IterserveRouter:
         self.name = name
         self.use_replica_cache = use_replica_cache
         self.in_flight = in_flight
+        self.lora_affinity = lora_affinity
         self._pending: tuple[str, int | None, int] | None = None
         self._cached: Mapping[Hashable, int] | None = None
         self._offer_token: object = None  # the caller's token of the offer below
@@ -74,6 +80,8 @@ class IterserveRouter:
         return key, tokens
 
     def choose(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
+        if ctx.request.adapter is not None and self.lora_affinity:
+            return self._choose_for_adapter(ctx, rng, ctx.request.adapter)
         if ctx.offer is not None and self.in_flight == OWN_TRACKER:
             return self._choose_offered(ctx, rng)
         shuffled = list(ctx.replicas)
@@ -87,6 +95,25 @@ class IterserveRouter:
         return self.core.best(ids, [v.load for v in shuffled], key, tokens, ctx.now,
                               prompt_tokens=len(prompt), cached_tokens=self._cached,
                               corrections=corrections)
+
+    def _choose_for_adapter(self, ctx: RoutingContext, rng: random.Random, adapter: str
+                            ) -> Hashable:
+        """The Ray adapter's decision for a request naming `adapter`: the full ranking,
+        then the best-ranked holder of the adapter first while within the slack."""
+        self._offered = None  # its rows miss this request's changes: rebuilt when next used
+        shuffled = list(ctx.replicas)
+        shuffle(rng, shuffled)
+        ids = [v.replica_id for v in shuffled]
+        loads = [v.load for v in shuffled]
+        key, tokens = self._key(ctx.request)
+        self._cached = self._cache_answers(ctx, shuffled, ids)
+        corrections = [v.correction for v in shuffled] if self.in_flight == CALLER_VIEWS \
+            else None
+        ranked = self.core.rank(ids, loads, key, tokens, ctx.now,
+                                prompt_tokens=len(ctx.request.prompt_token_ids),
+                                cached_tokens=self._cached, corrections=corrections)
+        return prefer_adapter_holders(ranked, dict(zip(ids, loads, strict=True)), adapter,
+                                      self.config.lora_affinity_slack)[0]
 
     def _choose_offered(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         """choose() where the caller says what changed since the previous request

@@ -67,6 +67,8 @@ class SimResult:
     autoscaler_name: str | None
     # With KV tiers (ClusterSimConfig.kv_tiers): their traffic (sim.kv_tiers.tier_tokens)
     tier_tokens: dict[str, float] = field(default_factory=dict)
+    # With LoRA adapters (ClusterSimConfig.lora): the replicas' adapter loads (sim.lora)
+    adapter_loads: dict[str, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------- summaries
     def ttfts(self) -> list[float]:
@@ -120,6 +122,7 @@ class SimResult:
             "end_time_s": self.end_time,
             "engine_steps": self.num_steps,
             **self._tier_summary(),
+            **({"adapter_loads": dict(self.adapter_loads)} if self.adapter_loads else {}),
         }
 
     def _tier_summary(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class RouteRequest:
     max_tokens: int
     arrival_time: float
     session_id: str | None = None  # tenant / conversation, when the workload has one
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.block_manager import tiered_block_manager
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.decodes import DecodeCohort, Decoder
+from iterserve.autoscale.sim.lora import AdapterResidency
 from iterserve.autoscale.sim.prefix import PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes, SyntheticPrompt
 from iterserve.autoscale.sim.workload import WorkloadRequest
@@ -93,11 +94,16 @@ class SimulatedReplica:
             max_model_len=config.max_model_len,
         )
         self.clock = VirtualClock(now)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self.clock)
+        # with LoRA: its adapters, and the scheduler's max_loras admission rule
+        self.adapters = AdapterResidency(config.lora) if config.lora is not None else None
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock=self.clock,
+                                   max_loras=config.lora.max_loras if config.lora else 0)
         self.decodes = DecodeCohort(self.block_manager, config.max_model_len)
+        # Not with LoRA: the lazy path schedules without the decodes in the running list,
+        # whose adapters the max_loras rule must count.
         self.lazy = config.fast_forward and self.scheduler_config.scheduler_policy == "fcfs" \
             and self.scheduler_config.batching == "continuous" \
-            and self.scheduler_config.enable_chunked_prefill
+            and self.scheduler_config.enable_chunked_prefill and self.adapters is None
         self.step_end: float | None = None  # end of the step in progress (None: idle)
         self._step: SchedulerOutput | None = None  # what the production scheduler scheduled
         self._step_is_full = True  # the step ran the whole scheduler (no lazy decodes)
@@ -148,6 +154,7 @@ class SimulatedReplica:
             timestamp=now,
             prefill_token_rate=self.prefill_rate.rate(now),
             queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
+            lora_adapters=self.adapters.held() if self.adapters is not None else frozenset(),
         )
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
@@ -185,6 +192,8 @@ class SimulatedReplica:
         else:
             request = Request(spec.request_id, list(prompt), params, now)
         request.token_times = array("d")  # type: ignore[assignment]
+        if self.adapters is not None:
+            request.lora_name = spec.adapter
         self.scheduler.add_request(request)  # raises if it can never run: nothing marked
         if private is not None:
             self.block_manager.mark_private(spec.request_id, private)
@@ -246,6 +255,9 @@ class SimulatedReplica:
             bm = self.block_manager
             duration += self.tier_copies.take_step_seconds(bm, bm.disk_reads, self._step)
             bm.disk_reads = 0
+        if self.adapters is not None:  # the adapters the step uses, loaded before its forward
+            duration += self.adapters.load_seconds(
+                r.lora_name for r in self.scheduler.running if r.lora_name is not None)
         self._step_prefill = (prefill, duration)
         self.step_end = now + duration
 

@@ -49,6 +49,7 @@ class WorkloadRequest:
     output_token_id: int = 1
     kind: str = ""
     tenant: str | None = None  # whose request (multi-tenant): `tenant_salt` salts by it
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
