@@ -52,7 +52,7 @@ def describe_engine(engine: Any, extra: dict[str, Any] | None = None) -> dict[st
         "config": {**flat_config(config), "num_gpu_blocks": stats.num_total_blocks},
         "stats": ReplicaLoad.from_engine_stats(
             stats, bool(getattr(engine, "is_draining", False))
-        ).with_adapters(engine.list_loras()).to_dict(),
+        ).with_adapters(engine.resident_loras()).to_dict(),  # as the router reads them
         # Requests ended per finish reason, from the same snapshot as "stats": what
         # /metrics' request_success_total must agree with.
         "finished_by_reason": dict(stats.finished_by_reason),

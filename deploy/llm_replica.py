@@ -213,7 +213,9 @@ class LLMReplica:
 
     def _load(self) -> ReplicaLoad:
         load = ReplicaLoad.from_engine_stats(self.engine.stats(), self._admits_nothing)
-        return load.with_adapters(self.engine.list_loras())
+        # The resident adapters, not every registered one: a load reaches every replica, and
+        # a router told that all replicas hold all adapters has no affinity to follow.
+        return load.with_adapters(self.engine.resident_loras())
 
     @property
     def _admits_nothing(self) -> bool:

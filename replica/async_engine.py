@@ -147,6 +147,10 @@ class AsyncLLMEngine:
         """The adapters the engine serves (thread-safe: read under the manager's lock)."""
         return self.engine.list_loras()
 
+    def resident_loras(self) -> list[str]:
+        """The adapters in host memory or a device slot (thread-safe, as list_loras)."""
+        return self.engine.resident_loras()
+
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the adapter in `path` as `name`: read and checked in a worker thread, so the
         engine's running batch goes on (LoRALoadError names what is wrong)."""

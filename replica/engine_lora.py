@@ -59,6 +59,9 @@ class EngineLoRA:
     def list_loras(self) -> list[str]:
         return self.lora.names() if self.lora is not None else []
 
+    def resident_loras(self) -> list[str]:
+        return self.lora.resident() if self.lora is not None else []
+
     def check_lora_name(self, name: str | None) -> None:
         """Raise UnknownAdapterError unless `name` is None or a served adapter."""
         if name is not None and (self.lora is None or not self.lora.has(name)):

@@ -93,6 +93,14 @@ class LoRAManager:
         with self._lock:
             return sorted(self._paths)
 
+    def resident(self) -> list[str]:
+        """The adapters a request can use here without reading a folder: those in host
+        memory (the LRU of max_cpu_loras) or in a device slot. What a replica reports as
+        held: every replica registers every adapter the cluster loaded, so the registry
+        says nothing of where one is cheap to serve."""
+        with self._lock:
+            return sorted(set(self._host).union(name for name in self._slots if name))
+
     def has(self, name: str) -> bool:
         return name in self._paths
 

@@ -132,5 +132,8 @@ def test_an_adapter_evicted_from_host_memory_is_read_back_off_the_step(
                 lora_modules=modules, max_lora_rank=8)
     manager = small.engine.lora
     assert list(manager._host) == ["mlp_o"]  # the last registered: the LRU holds one
+    assert small.engine.resident_loras() == ["mlp_o"]  # what the replica reports as held
+    assert sorted(small.engine.list_loras()) == sorted(adapters)  # registered: all three
     manager.hold("qv")
     assert list(manager._host) == ["qv"]
+    assert small.engine.resident_loras() == ["qv"]

@@ -49,7 +49,7 @@ def test_describe_engine_carries_the_stages(engine: LLMEngine) -> None:
             self.config, self.tokenizer, self.model_name = (inner.config, inner.tokenizer,
                                                             inner.model_name)
             self.startup, self.stats = inner.startup, inner.stats
-            self.list_loras = inner.list_loras
+            self.resident_loras = inner.resident_loras
 
     info = describe_engine(Shell(engine))
     assert info["startup"]["stages"] == engine.startup.as_dict()
