@@ -20,6 +20,7 @@ from iterserve.deploy.quotas import LocalQuotas, QuotaGate, rate_limit_headers, 
 from iterserve.deploy.tenants import DEFAULT, Caller
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 
 Item = TypeVar("Item", bound=tuple[int, RequestOutput])
 
@@ -35,6 +36,16 @@ class TenantRequest:
     admission: Admission | None = None
     metrics: TenantMetrics | None = None
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def share(self) -> TenantShare:
+        """Whom the engine serves it for: the tenant and its weight (the fair policy)."""
+        return TenantShare(self.caller.tenant.name, self.caller.tenant.weight)
+
+    def band(self, priority: int) -> int:
+        """The engine priority of a request asking for `priority`: never ahead of its
+        tenant's band (lower runs first), so a client may only lower its own importance."""
+        return max(priority, self.caller.tenant.priority)
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers where the tenant has quotas; else none."""

@@ -43,7 +43,7 @@ from iterserve.replica.fault_isolation import execute_isolating_faults, execute_
 from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.request import Request, RequestStatus, TenantShare
 from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
@@ -137,11 +137,12 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
         arrival_time: float | None = None,
         cache_namespace: CacheNamespace = b"",
         lora_name: str | None = None,
+        tenant: TenantShare | None = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises ValueError;
         `lora_name` not registered raises UnknownAdapterError. cache_namespace: the
         prefix-cache namespace of its blocks (replica/block_keys.py), narrowed here to its
-        adapter's."""
+        adapter's. tenant: whom it is served for (the fair policy's counters)."""
         params = sampling_params or SamplingParams()
         self.check_lora_name(lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
@@ -154,6 +155,7 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                 raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {num}")
         self.constrained.check(params)
         arrival = self.clock() if arrival_time is None else arrival_time
+        share = tenant or TenantShare()
         children = [
             Request(
                 request_id=child_request_id(request_id, i, params.n),
@@ -166,6 +168,8 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                 parent_id=request_id,
                 lora_name=lora_name,
                 cache_namespace=with_adapter(cache_namespace, lora_name),
+                tenant=share.name,
+                tenant_weight=share.weight,
             )
             for i in range(params.n)
         ]

@@ -211,3 +211,26 @@ def test_iterserve_serve_stops_on_a_malformed_keys_file_and_passes_the_isolation
     # Only the flag's key travels as a secret; the file's keys (with their tenants) are read
     # by each ingress from the file.
     assert [k.get_secret_value() for k in args["api_keys"]] == ["sk-cli"]
+
+
+def test_the_tenant_and_its_weight_reach_the_fair_engines_counters() -> None:
+    """acme (weight 2) is charged its served tokens halved; a plain key is the default tenant,
+    which arriving after acme left the queue starts from acme's counter (VTC's lift)."""
+    config = EngineConfig.from_kwargs(model="iterserve-tiny", device="cpu", max_model_len=128,
+                                      num_gpu_blocks_override=64, max_num_seqs=4,
+                                      scheduler_policy="fair")
+    engine = AsyncLLMEngine(config)
+    try:
+        with client_for(engine) as http:
+            for key in ("sk-acme", "sk-plain"):
+                response = http.post("/v1/completions",
+                                     headers={"Authorization": f"Bearer {key}"},
+                                     json={"prompt": PROMPT, "max_tokens": 3,
+                                           "ignore_eos": True})
+                assert response.status_code == 200, response.text
+        counters = engine.engine.scheduler.counters
+        served = len(PROMPT) + 2 * 3  # prompt, and a generated token at twice the cost
+        assert counters.counter("acme") == served / 2
+        assert counters.counter(DEFAULT.name) == served / 2 + served
+    finally:
+        engine.shutdown()
