@@ -40,7 +40,8 @@ class TenantRequest:
     @property
     def share(self) -> TenantShare:
         """Whom the engine serves it for: the tenant and its weight (the fair policy)."""
-        return TenantShare(self.caller.tenant.name, self.caller.tenant.weight)
+        tenant = self.caller.tenant
+        return TenantShare(tenant.name, tenant.weight, tenant.ttft_slo_ms)
 
     def band(self, priority: int) -> int:
         """The engine priority of a request asking for `priority`: never ahead of its

@@ -48,6 +48,7 @@ from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
+from iterserve.replica.slo_admission import check_ttft_slo
 from iterserve.replica.startup import StartupRecorder
 from iterserve.replica.stats import (
     FINISH_REASON_ABORT,
@@ -174,6 +175,9 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
             for i in range(params.n)
         ]
         self.scheduler.check_fits(children[0])
+        check_ttft_slo(self.scheduler.unfinished_requests(), len(prompt_ids) * params.n,
+                       priority, share, self.scheduler.counters is not None,
+                       self.prefill_rate.rate(self.clock()))
         if self.constrained.attach(children, params):
             self.constrained.hold(request_id, children)  # joins the scheduler once compiled
         else:

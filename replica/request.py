@@ -21,6 +21,9 @@ class TenantShare:
 
     name: str = ""
     weight: float = 1.0
+    # Its tenant's time-to-first-token objective: a request predicted to miss it is refused
+    # at once (replica/slo_admission.py); None: admitted whatever the wait.
+    ttft_slo_ms: float | None = None
 
 
 class RequestStatus(enum.Enum):

@@ -16,9 +16,11 @@ from iterserve.deploy.auth import ApiKeyChecker, load_api_keys
 from iterserve.deploy.engine_client import LocalEngineClient
 from iterserve.deploy.server import IngressSettings, create_app
 from iterserve.deploy.tenant_file import parse_keys_file
+from iterserve.deploy.tenant_requests import TenantRequest
 from iterserve.deploy.tenants import DEFAULT, Caller, TenantConfig
 from iterserve.replica import AsyncLLMEngine, EngineConfig
 from iterserve.replica.block_keys import cache_namespace
+from iterserve.replica.request import TenantShare
 
 KEYS_FILE = """\
 # tenants
@@ -47,6 +49,13 @@ def test_a_keys_file_gives_each_key_its_tenant_and_each_tenant_its_settings() ->
     assert acme.quota.tokens_per_minute == 60000 and acme.quota.max_concurrent_requests is None
     assert acme.sub_tenants == ("alice", "bob") and acme.sub_tenant_from == "user"
     assert "sk-" not in repr(parsed)
+
+
+def test_the_engine_gets_the_tenants_weight_slo_and_at_best_its_band() -> None:
+    acme = {t.name: t for t in parse_keys_file(KEYS_FILE).tenants}["acme"]
+    request = TenantRequest(Caller(acme), b"", prompt_tokens=4)
+    assert request.share == TenantShare("acme", 2.0, 800.0)
+    assert (request.band(0), request.band(-5), request.band(3)) == (1, 1, 3)
 
 
 def test_a_plain_keys_file_parses_as_before() -> None:
