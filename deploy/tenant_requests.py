@@ -44,9 +44,11 @@ class TenantRequest:
         return TenantShare(tenant.name, tenant.weight, tenant.ttft_slo_ms)
 
     def band(self, priority: int) -> int:
-        """The engine priority of a request asking for `priority`: never ahead of its
-        tenant's band (lower runs first), so a client may only lower its own importance."""
-        return max(priority, self.caller.tenant.priority)
+        """The engine priority of a request asking for `priority`: a keys-file tenant's never
+        ahead of its tenant's band (lower runs first), so its client may only lower its own
+        importance; the default tenant's (no keys file, or a plain key) as asked, as before."""
+        tenant = self.caller.tenant
+        return priority if tenant.name == DEFAULT.name else max(priority, tenant.priority)
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers where the tenant has quotas; else none."""

@@ -56,6 +56,7 @@ def test_the_engine_gets_the_tenants_weight_slo_and_at_best_its_band() -> None:
     request = TenantRequest(Caller(acme), b"", prompt_tokens=4)
     assert request.share == TenantShare("acme", 2.0, 800.0)
     assert (request.band(0), request.band(-5), request.band(3)) == (1, 1, 3)
+    assert TenantRequest(Caller(DEFAULT), b"", prompt_tokens=4).band(-5) == -5
 
 
 def test_a_plain_keys_file_parses_as_before() -> None:
