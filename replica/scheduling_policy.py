@@ -117,9 +117,15 @@ class FairSharePolicy(PriorityPolicy):
         self.counters = VirtualTokenCounters()
 
     def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
-        # Decodes first; then the lightest tenants' prefills grow first.
-        pending = [(r, r.num_uncomputed_tokens) for r in running]
-        return sorted(pending, key=lambda p: (p[1] != 1, self.rank(p[0])))
+        # Decodes first, in admission order (each takes one token: their order matters only
+        # when the budget runs out); then the lightest tenants' prefills grow first. Only
+        # the prefills are sorted: the decodes are most of a batch, every step.
+        pending = decodes_first(running)
+        first_prefill = next((i for i, p in enumerate(pending) if p[1] != 1), len(pending))
+        if first_prefill >= len(pending) - 1:
+            return pending
+        prefills = sorted(pending[first_prefill:], key=lambda p: self.rank(p[0]))
+        return pending[:first_prefill] + prefills
 
     def choose_victim(self, candidates: list[Request]) -> Request | None:
         if not self.preempts_heavier:

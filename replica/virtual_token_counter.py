@@ -35,8 +35,10 @@ class VirtualTokenCounters:
     def charge_prompt(self, tenant: str, weight: float, num_tokens: int) -> None:
         self.counters[tenant] = self.counter(tenant) + PROMPT_TOKEN_COST * num_tokens / weight
 
-    def charge_output(self, tenant: str, weight: float, num_tokens: int = 1) -> None:
-        self.counters[tenant] = self.counter(tenant) + OUTPUT_TOKEN_COST * num_tokens / weight
+    def charge_output(self, tenant: str, weight: float) -> None:
+        """One generated token (called per token per step: kept to one dict update)."""
+        counters = self.counters
+        counters[tenant] = counters.get(tenant, 0.0) + OUTPUT_TOKEN_COST / weight
 
     def start_waiting(self, tenant: str) -> None:
         """One more waiting request of `tenant`; a tenant returning from idle is lifted."""
