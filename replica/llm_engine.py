@@ -177,7 +177,7 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
         self.scheduler.check_fits(children[0])
         check_ttft_slo(self.scheduler.unfinished_requests(), len(prompt_ids) * params.n,
                        priority, share, self.scheduler.counters is not None,
-                       self.prefill_rate.rate(self.clock()))
+                       self.prefill_drain_rate.rate(self.clock()))
         if self.constrained.attach(children, params):
             self.constrained.hold(request_id, children)  # joins the scheduler once compiled
         else:

@@ -1,8 +1,11 @@
 """SLO-aware admission: refuse at once a request predicted to miss its tenant's TTFT objective.
 
 The prediction is the prefill work ahead of the new request divided by the replica's measured
-prefill rate (prompt tokens per step second, `prefill_rate.py`, the figure the replica
-reports to routers). The work ahead is the uncomputed prompt tokens of the admitted requests
+drain rate: prompt tokens per second of wall time while work was pending
+(`EngineStatsReporting.prefill_drain_rate`). Not the prefill_token_rate routers read (per
+second of step time): that leaves out the engine loop's time between steps and the
+decode-only steps while prompts wait, and on a busy host predicted TTFTs ~1.4x too short
+(loadtests/studies/fair_share). The work ahead is the uncomputed prompt tokens of the admitted requests
 (running and waiting) that run before it, plus its own prompt:
 
 * every request of a more important band (lower priority value), and of its own band

@@ -5,6 +5,7 @@ predicted to miss its tenant's ttft_slo_ms, never one already admitted."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -66,6 +67,19 @@ def test_a_request_predicted_to_miss_its_slo_is_refused_and_the_admitted_all_fin
     while engine.has_unfinished_requests():
         finished |= {out.request_id for out in engine.step() if out.finished}
     assert finished == {*admitted, patient, no_slo}  # nothing admitted was dropped
+
+
+def test_the_drain_rate_counts_the_time_between_steps_and_the_step_rate_does_not() -> None:
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        runner="simulated", max_model_len=512, max_num_seqs=4, num_gpu_blocks_override=256))
+    for _ in range(20):
+        engine.add_request([5] * 200, PARAMS)
+    for _ in range(12):
+        engine.step()
+        time.sleep(0.03)  # the engine loop busy elsewhere (another process on its core)
+    now = engine.clock()
+    step_rate, drain_rate = engine.prefill_rate.rate(now), engine.prefill_drain_rate.rate(now)
+    assert 0 < drain_rate < 0.8 * step_rate
 
 
 def test_an_idle_engine_admits_whatever_the_slo() -> None:
