@@ -4,8 +4,10 @@ The prediction is the prefill work ahead of the new request divided by the repli
 drain rate: prompt tokens per second of wall time while work was pending
 (`EngineStatsReporting.prefill_drain_rate`). Not the prefill_token_rate routers read (per
 second of step time): that leaves out the engine loop's time between steps and the
-decode-only steps while prompts wait, and on a busy host predicted TTFTs ~1.4x too short
-(loadtests/studies/fair_share). The work ahead is the uncomputed prompt tokens of the admitted requests
+decode-only steps while prompts wait, which a queued request waits through too. Left out
+(loadtests/studies/fair_share measures the cost): the time outside the engine (ingress,
+handle, streaming), the step that computes its own prompt, and under the fair policy the
+lighter tenants' later arrivals, which go ahead of it. The work ahead is the uncomputed prompt tokens of the admitted requests
 (running and waiting) that run before it, plus its own prompt:
 
 * every request of a more important band (lower priority value), and of its own band
