@@ -19,10 +19,6 @@ request as one token longer; `update()` fills in the sampled tokens and finishes
 stopped, one step late. Synchronously, `update()` counts the computed tokens instead, so a
 plan that is dropped without running leaves no trace.
 
-Under the fair policy, while a batch slot is free, running prefills ranked behind the
-waiting queue's head grow after the admissions, from what they leave of the budget: a light
-tenant's new prompt is not kept a step behind a heavy tenant's long ones.
-
 Who is admitted, who grows first and who is preempted is the scheduling policy's answer
 (`replica/scheduling_policy.py`: fcfs, priority, max_utilization, guaranteed_no_evict); how
 batches form is the batching strategy's (`replica/batching_policy.py`: continuous, static).
@@ -212,30 +208,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Fill this step's token budget: running requests, then admissions, then padding."""
         output = SchedulerOutput()
-        order = self.policy.order_running(self.running)
-        deferred = self._prefills_behind_waiting(order)
-        if deferred:
-            order = [p for p in order if p not in deferred]
-        budget = self._grow_running(order, output, self.config.max_num_batched_tokens)
-        if not output.preempted:
-            budget = self._admit_waiting(output, budget)
-        if deferred:  # what the admissions left of the budget
-            budget = self._grow_running(deferred, output, budget)
-        budget = self.batching.schedule_padding(output, budget)
-        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        if not output.is_empty:  # an empty step may not run (async scheduling): its copies
-            # (blocks read from disk for a request not admitted) wait, pinned, for the next
-            output.kv_spills, output.kv_disk_loads = self.block_manager.take_disk_copies()
-            output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
-        return output
-
-    def _grow_running(self, order: list[tuple[Request, int]], output: SchedulerOutput,
-                      budget: int) -> int:
-        """Plan the running requests' next tokens in `order` within `budget`; what is left."""
+        budget = self.config.max_num_batched_tokens
         running_status = RequestStatus.RUNNING
         try_allocate = self.block_manager.try_allocate
         planned, plans_ahead = output.scheduled, self.plans_ahead
-        for request, remaining in order:
+        for request, remaining in self.policy.order_running(self.running):
             if budget == 0:
                 break
             if request.status is not running_status:
@@ -262,19 +239,15 @@ class Scheduler:
                 if samples:
                     request.num_output_placeholders += 1
             budget -= num_new
-        return budget
-
-    def _prefills_behind_waiting(self, order: list[tuple[Request, int]]
-                                 ) -> list[tuple[Request, int]]:
-        """Under the fair policy, the running prefills ranked behind the waiting queue's head
-        while a batch slot is free: they grow after its admission, so a light tenant's new
-        request is not kept a step behind a heavy tenant's long prompts. Else none."""
-        if self.counters is None or len(self.waiting) == 0 \
-                or len(self.running) >= self.config.max_num_seqs:
-            return []
-        rank = self.policy.rank  # type: ignore[attr-defined]  # the fair policy's
-        head = rank(self.waiting.peek())
-        return [p for p in order if p[1] > 1 and rank(p[0]) > head]
+        if not output.preempted:
+            budget = self._admit_waiting(output, budget)
+        budget = self.batching.schedule_padding(output, budget)
+        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if not output.is_empty:  # an empty step may not run (async scheduling): its copies
+            # (blocks read from disk for a request not admitted) wait, pinned, for the next
+            output.kv_spills, output.kv_disk_loads = self.block_manager.take_disk_copies()
+            output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
+        return output
 
     def _plannable(self, request: Request) -> bool:
         """A request with a token still being sampled is planned past it only if its

@@ -165,31 +165,3 @@ def test_one_tenant_alone_runs_in_fcfs_order() -> None:
         orders[policy] = admitted
     assert len(orders["fcfs"]) == 6
     assert orders["fair"] == orders["fcfs"]
-
-
-def test_a_light_tenants_new_request_goes_before_a_heavy_tenants_running_prefill() -> None:
-    s, runner = scheduler(max_num_seqs=3)
-    s.add_request(request("heavy", 0.0, prompt_len=40))
-    step(s, runner)  # heavy is charged its 40-token prompt; its prefill runs
-    s.add_request(request("heavy", 0.5, prompt_len=200))
-    step(s, runner)
-    long_prefill = s.running[-1]
-    assert long_prefill.num_computed_tokens < 200  # chunked: still prefilling
-    s.add_request(request("light", 1.0, prompt_len=8))  # lifted to heavy's counter: a tie
-    step(s, runner)  # the tie goes to heavy's earlier arrival; heavy's decode is charged
-    assert s.counters.counter("light") < s.counters.counter("heavy")
-    planned = [(p.request.tenant, p.num_new_tokens) for p in s.schedule().scheduled]
-    # heavy's decode first, then light's whole prompt, then heavy's chunk from what is left
-    assert planned == [("heavy", 1), ("light", 8), ("heavy", 64 - 1 - 8)]
-
-
-def test_without_a_free_slot_running_prefills_are_not_held_back() -> None:
-    s, runner = scheduler(max_num_seqs=2)
-    s.add_request(request("heavy", 0.0, prompt_len=40))
-    step(s, runner)
-    s.add_request(request("heavy", 0.5, prompt_len=200))
-    step(s, runner)
-    s.add_request(request("light", 1.0, prompt_len=8))
-    step(s, runner)
-    planned = [(p.request.tenant, p.num_new_tokens) for p in s.schedule().scheduled]
-    assert planned == [("heavy", 1), ("heavy", 63)]  # no slot for light: nothing held back
