@@ -7,8 +7,10 @@ second of step time): that leaves out the engine loop's time between steps and t
 decode-only steps while prompts wait, which a queued request waits through too. Left out
 (loadtests/studies/fair_share measures the cost): the time outside the engine (ingress,
 handle, streaming), the step that computes its own prompt, and under the fair policy the
-lighter tenants' later arrivals, which go ahead of it. The work ahead is the uncomputed prompt tokens of the admitted requests
-(running and waiting) that run before it, plus its own prompt:
+lighter tenants' later arrivals, which go ahead of it.
+
+The work ahead is the uncomputed prompt tokens of the admitted requests (running and
+waiting) that run before it, plus its own prompt:
 
 * every request of a more important band (lower priority value), and of its own band
   under the fcfs and priority policies (arrival order: all of them came first);
