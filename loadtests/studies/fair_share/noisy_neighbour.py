@@ -115,12 +115,22 @@ def summarise(outcomes: list[Outcome], duration_s: float, a_slo_s: float) -> dic
     return summary
 
 
+def write_results(out: Path, summary: dict[str, Any], outcomes: list[Outcome]) -> None:
+    """The summary, then one line per outcome (a row under `columns`): small and diffable."""
+    rows = ",\n".join(json.dumps(list(asdict(o).values())) for o in outcomes)
+    columns = json.dumps(list(Outcome.__dataclass_fields__))
+    out.write_text(f'{{"summary": {json.dumps(summary, indent=1)},\n"columns": {columns},\n'
+                   f'"outcomes": [\n{rows}\n]}}\n')
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="fair", help="the engine's scheduler_policy")
     parser.add_argument("--a-rate", type=float, default=20.0, help="tenant a's requests/s")
     parser.add_argument("--b-rate", type=float, default=2.0, help="tenant b's requests/s")
     parser.add_argument("--a-slo-ms", type=float, default=2000.0, help="tenant a's ttft_slo_ms")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engine's token budget a step (the step's length)")
     parser.add_argument("--duration", type=float, default=100.0, help="seconds of sending")
     parser.add_argument("--timeout", type=float, default=60.0, help="a request's deadline (s)")
     parser.add_argument("--out", type=Path, default=None, help="results file (default: "
@@ -134,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = ["--model", "iterserve-tiny", "--device", "cpu", "--simulate",
                       "--simulator", SIMULATOR, "--api-key-file", str(keys),
                       "--scheduler-policy", args.policy, "--max-num-seqs", "16",
+                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--num-gpu-blocks-override", "4096", "--max-model-len", "1024"]
         with serve_mode("continuous", serve_args, Path(scratch), PROBE_KEY) as (url, _):
             began = time.monotonic()
             outcomes = asyncio.run(offer(url, {"a": args.a_rate, "b": args.b_rate},
                                          args.duration, args.timeout))
             wall = time.monotonic() - began
-    summary = {"policy": args.policy, "rates": {"a": args.a_rate, "b": args.b_rate},
+    summary = {"policy": args.policy, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "rates": {"a": args.a_rate, "b": args.b_rate},
                "a_slo_ms": args.a_slo_ms, "duration_s": args.duration,
                "wall_s": round(wall, 1), **summarise(outcomes, args.duration, args.a_slo_ms / 1000)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "outcomes": [asdict(o) for o in outcomes]},
-                              indent=0))
+    write_results(out, summary, outcomes)
     print(json.dumps(summary, indent=1))
     return 0
 
