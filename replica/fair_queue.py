@@ -36,16 +36,17 @@ class FairWaitingQueue:
                    for flow, heap in self._flows.items() for entry in heap]
         return iter([request for _, request in sorted(entries, key=lambda e: e[0])])
 
-    def push(self, request: Request) -> None:
-        self.counters.start_waiting(request.tenant)
+    def push(self, request: Request, preempted: bool = False) -> None:
+        self.counters.start_waiting(request.tenant, preempted)
         flow = (request.priority, request.tenant)
         entry = (request.arrival_time, next(self._sequence), request)
         heapq.heappush(self._flows.setdefault(flow, []), entry)
         self._size += 1
 
     def push_front(self, request: Request) -> None:
-        """A preempted request: its original arrival puts it first within its tenant."""
-        self.push(request)
+        """A preempted request: its original arrival puts it first within its tenant, and its
+        tenant keeps its counter (it was being served, not idle: nothing to lift)."""
+        self.push(request, preempted=True)
 
     def peek(self) -> Request:
         return self._flows[self._next_flow()][0][-1]

@@ -40,9 +40,10 @@ class VirtualTokenCounters:
         counters = self.counters
         counters[tenant] = counters.get(tenant, 0.0) + OUTPUT_TOKEN_COST / weight
 
-    def start_waiting(self, tenant: str) -> None:
-        """One more waiting request of `tenant`; a tenant returning from idle is lifted."""
-        if self.backlog.get(tenant, 0) == 0:
+    def start_waiting(self, tenant: str, preempted: bool = False) -> None:
+        """One more waiting request of `tenant`; a tenant returning from idle is lifted. A
+        preempted request's tenant is not: it was being served, not idle."""
+        if self.backlog.get(tenant, 0) == 0 and not preempted:
             self._lift(tenant)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
 

@@ -7,13 +7,18 @@ import itertools
 
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import EngineConfig, SchedulerConfig
+from iterserve.replica.fair_queue import FairWaitingQueue
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.null_runner import NullRunner
 from iterserve.replica.request import Request, TenantShare
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
 from iterserve.replica.scheduling_policy import make_policy
-from iterserve.replica.virtual_token_counter import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST
+from iterserve.replica.virtual_token_counter import (
+    OUTPUT_TOKEN_COST,
+    PROMPT_TOKEN_COST,
+    VirtualTokenCounters,
+)
 
 _ids = itertools.count()
 
@@ -94,6 +99,19 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_backlogged_minimum() -> None:
     assert s.counters.counter("idle") == 0.0
     s.add_request(request("idle", 9.0))
     assert s.counters.counter("idle") == s.counters.counter("busy") > 0
+
+
+def test_a_preempted_request_does_not_lift_its_tenant() -> None:
+    counters = VirtualTokenCounters()
+    queue = FairWaitingQueue(counters)
+    queue.push(request("busy", 0.0))
+    counters.charge_prompt("busy", 1.0, 100)  # busy is backlogged at 100, light at 0
+    light = request("light", 1.0)
+    queue.push_front(light)  # light's request returns, preempted: it was being served
+    assert counters.counter("light") == 0.0
+    assert queue.pop() is light
+    queue.push(light)  # arriving anew from idle, it is lifted: it banks no credit
+    assert counters.counter("light") == counters.counter("busy") == 100.0
 
 
 def test_victims_are_the_heaviest_tenants_unless_the_setting_says_newest() -> None:
