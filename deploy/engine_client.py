@@ -38,6 +38,7 @@ from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class EngineClient(Protocol):
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  priority: int = 0, cache_namespace: CacheNamespace = b"",
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
+                 lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
         """Load or unload an adapter on every replica; OpenAIHTTPError when one refuses."""
@@ -118,9 +120,10 @@ class LocalEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               cache_namespace, lora_request)
+                               cache_namespace, lora_request, tenant)
         try:
             async for item in stream:
                 if isinstance(item, EngineErrorInfo):
@@ -270,13 +273,14 @@ class HandleEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """cache_namespace and lora_request travel as keywords: the KV-aware router reads them
         there (autoscale/router.py) to look the prompt up in the right namespace."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             gen = self._stream_handle.generate.remote(prompt_token_ids, params, request_id,
                                                       priority, cache_namespace=cache_namespace,
-                                                      lora_request=lora_request)
+                                                      lora_request=lora_request, tenant=tenant)
             complete = False
             started = False
             try:

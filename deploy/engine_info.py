@@ -17,6 +17,7 @@ from iterserve.deploy.errors import EngineErrorInfo, engine_error_info
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
 
 
@@ -71,6 +72,7 @@ async def stream_engine(
     priority: int = 0,
     cache_namespace: CacheNamespace = b"",
     lora_request: LoRARequest | None = None,
+    tenant: TenantShare | None = None,
 ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
     """Yield the engine's deltas; an engine error before the first one is yielded as data.
 
@@ -78,7 +80,8 @@ async def stream_engine(
     engine's generator, which aborts the request and frees its KV blocks.
     """
     agen = engine.generate(prompt_token_ids, params, request_id, priority=priority,
-                           cache_namespace=cache_namespace, lora_request=lora_request)
+                           cache_namespace=cache_namespace, lora_request=lora_request,
+                           tenant=tenant)
     try:
         try:
             first = await agen.__anext__()

@@ -26,6 +26,7 @@ from iterserve.replica.errors import (
     EngineDrainingError,
     QueueFullError,
     RequestFailedError,
+    SLOUnreachableError,
 )
 from iterserve.replica.lora_manager import UnknownAdapterError
 
@@ -130,7 +131,7 @@ class EngineErrorInfo:
 
 def engine_error_info(error: BaseException) -> EngineErrorInfo | None:
     """The record for an engine exception the caller should see, or None for a bug."""
-    if isinstance(error, QueueFullError):
+    if isinstance(error, (QueueFullError, SLOUnreachableError)):
         return EngineErrorInfo(429, str(error), "rate_limit_error", error.retry_after_s)
     if isinstance(error, EngineDrainingError):
         return EngineErrorInfo(503, str(error) or "The server is shutting down; retry "

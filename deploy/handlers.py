@@ -123,10 +123,10 @@ class Job:
     def open(self, client: EngineClient, priority: int, tenant: TenantRequest
              ) -> AsyncIterator[Indexed]:
         """The merged engine streams, in the tenant's cache namespace (the engine narrows it to
-        the adapter's), metered for the tenant."""
-        streams = [client.generate(ids, p, f"{self.request_id}-{i}", priority,
+        the adapter's) and priority band, served for the tenant, metered for it."""
+        streams = [client.generate(ids, p, f"{self.request_id}-{i}", tenant.band(priority),
                                    cache_namespace=tenant.cache_namespace,
-                                   lora_request=self.lora)
+                                   lora_request=self.lora, tenant=tenant.share)
                    for i, (ids, p) in enumerate(zip(self.prompts, self.params, strict=True))]
         return tenant.meter(merge_streams(streams))
 

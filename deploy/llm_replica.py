@@ -32,6 +32,7 @@ from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.startup import StartupRecorder
 
@@ -151,13 +152,13 @@ class LLMReplica:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
-                       lora_request: LoRARequest | None = None,
+                       lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
                        ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
         """Stream one request's deltas; early close (disconnect) aborts it. cache_namespace:
         the prefix-cache namespace its blocks live in (its tenant's; replica/block_keys.py)."""
         self._num_requests += 1
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               cache_namespace, lora_request)
+                               cache_namespace, lora_request, tenant)
         complete = False
         try:
             async for item in stream:

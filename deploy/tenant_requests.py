@@ -20,6 +20,7 @@ from iterserve.deploy.quotas import LocalQuotas, QuotaGate, rate_limit_headers, 
 from iterserve.deploy.tenants import DEFAULT, Caller
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 
 Item = TypeVar("Item", bound=tuple[int, RequestOutput])
 
@@ -35,6 +36,19 @@ class TenantRequest:
     admission: Admission | None = None
     metrics: TenantMetrics | None = None
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def share(self) -> TenantShare:
+        """Whom the engine serves it for: the tenant and its weight (the fair policy)."""
+        tenant = self.caller.tenant
+        return TenantShare(tenant.name, tenant.weight, tenant.ttft_slo_ms)
+
+    def band(self, priority: int) -> int:
+        """The engine priority of a request asking for `priority`: a keys-file tenant's never
+        ahead of its tenant's band (lower runs first), so its client may only lower its own
+        importance; the default tenant's (no keys file, or a plain key) as asked, as before."""
+        tenant = self.caller.tenant
+        return priority if tenant.name == DEFAULT.name else max(priority, tenant.priority)
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers where the tenant has quotas; else none."""

@@ -32,6 +32,7 @@ from iterserve.replica.errors import (
 from iterserve.replica.llm_engine import LLMEngine
 from iterserve.replica.lora_adapter import LoRARequest
 from iterserve.replica.outputs import RequestOutput
+from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.stats import (
     FINISH_REASON_ABORT,
@@ -91,6 +92,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_namespace: CacheNamespace = b"",
         lora_request: LoRARequest | None = None,
+        tenant: TenantShare | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas of every child; raises before yielding on bad input.
         cache_namespace: where its prefix-cache blocks live (replica/block_keys.py);
@@ -117,7 +119,7 @@ class AsyncLLMEngine:
                 raise QueueFullError(waiting)
             engine.add_request(prompt_token_ids, sampling_params, request_id, priority,
                                arrival_time=arrival, cache_namespace=cache_namespace,
-                               lora_name=lora_name)
+                               lora_name=lora_name, tenant=tenant)
             self._streams[request_id] = stream
 
         try:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULER_POLICIES = ("fcfs", "priority", "guaranteed_no_evict", "max_utilization")
+SCHEDULER_POLICIES = ("fcfs", "priority", "guaranteed_no_evict", "max_utilization", "fair")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -151,6 +151,11 @@ class SchedulerConfig:
                                            ("enable_chunked_context",))
     scheduler_policy: str = setting("fcfs", "who is admitted and who is preempted first",
                                     choices=SCHEDULER_POLICIES)
+    # fair: when blocks run out, preempt the heaviest tenant's newest request, even for a
+    # light tenant's newer one (True); or the newest request whoever's it is (False).
+    fair_preempts_heavier: bool = setting(
+        True, "under scheduler_policy=fair, a light tenant's request may preempt a heavier "
+        "tenant's older one")
     batching: str = setting("continuous", "continuous (iteration-level) or static batching",
                             choices=BATCHING_MODES)
     max_model_len: int | None = setting(None, "context length (default: the model's)")

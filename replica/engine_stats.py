@@ -52,6 +52,14 @@ class EngineStatsReporting:
         self._unlogged_finished: list[FinishedRequestStats] = []
         self._recent_steps: deque[tuple[float, int]] = deque()
         self.prefill_rate = PrefillRateMeter()
+        # Prompt tokens per second of *wall* time while work was pending: what SLO-aware
+        # admission predicts a queue's drain with (replica/slo_admission.py). Unlike
+        # prefill_rate (per step second, for routers) it counts the engine loop's time
+        # between steps and the decode-only steps while prompts wait: the time a queued
+        # request really waits. _busy_since: when the current busy stretch's last prefill
+        # sample ended (None: the engine had nothing left to do).
+        self.prefill_drain_rate = PrefillRateMeter()
+        self._busy_since: float | None = None
         self._last_step_tokens = 0
         # Kept up to date by the block manager as blocks are cached and evicted, so a
         # router's report costs O(hashes reported), not a pass over the whole cache.
@@ -158,11 +166,22 @@ class EngineStatsReporting:
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration, finished)
 
+    def _record_drain(self, start: float, now: float, prefill_tokens: int) -> None:
+        if prefill_tokens:
+            busy_from = start if self._busy_since is None else self._busy_since
+            self.prefill_drain_rate.record(now, prefill_tokens, now - busy_from)
+            self._busy_since = now
+        if not self.scheduler.has_unfinished_requests():
+            self._busy_since = None
+        elif self._busy_since is None:
+            self._busy_since = now
+
     def _record(self, start: float, output: SchedulerOutput, updated: list[Request]) -> None:
         now = self.clock()
         self._last_step_tokens = output.num_batched_tokens
         self._recent_steps.append((now, output.num_batched_tokens))
         self.prefill_rate.record(now, output.num_prefill_tokens, now - start)
+        self._record_drain(start, now, output.num_prefill_tokens)
         if not self.stat_loggers:
             return
         ttfts, itls = [], []

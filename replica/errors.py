@@ -20,6 +20,17 @@ class QueueFullError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class SLOUnreachableError(EngineError):
+    """The request's predicted TTFT exceeds its tenant's ttft_slo_ms: refused at once (429)
+    rather than queued to miss its SLO late; retry once the work ahead has drained."""
+
+    def __init__(self, predicted_ms: float, slo_ms: float, retry_after_s: float) -> None:
+        super().__init__(
+            f"the predicted time to first token ({predicted_ms:.0f} ms) exceeds this tenant's "
+            f"ttft_slo_ms ({slo_ms:.0f} ms); retry later")
+        self.retry_after_s = retry_after_s
+
+
 class EngineDrainingError(EngineError):
     """The engine is shutting down and admits no new requests (503)."""
 

@@ -43,11 +43,12 @@ from iterserve.replica.fault_isolation import execute_isolating_faults, execute_
 from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from iterserve.replica.request import Request, RequestStatus
+from iterserve.replica.request import Request, RequestStatus, TenantShare
 from iterserve.replica.resolve import resolve_engine_config
 from iterserve.replica.runner_base import Runner, StepHandle
 from iterserve.replica.sampling_params import SamplingParams
 from iterserve.replica.scheduler import Scheduler
+from iterserve.replica.slo_admission import check_ttft_slo
 from iterserve.replica.startup import StartupRecorder
 from iterserve.replica.stats import (
     FINISH_REASON_ABORT,
@@ -137,11 +138,12 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
         arrival_time: float | None = None,
         cache_namespace: CacheNamespace = b"",
         lora_name: str | None = None,
+        tenant: TenantShare | None = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises ValueError;
         `lora_name` not registered raises UnknownAdapterError. cache_namespace: the
         prefix-cache namespace of its blocks (replica/block_keys.py), narrowed here to its
-        adapter's."""
+        adapter's. tenant: whom it is served for (the fair policy's counters)."""
         params = sampling_params or SamplingParams()
         self.check_lora_name(lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
@@ -154,6 +156,7 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                 raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {num}")
         self.constrained.check(params)
         arrival = self.clock() if arrival_time is None else arrival_time
+        share = tenant or TenantShare()
         children = [
             Request(
                 request_id=child_request_id(request_id, i, params.n),
@@ -166,10 +169,15 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                 parent_id=request_id,
                 lora_name=lora_name,
                 cache_namespace=with_adapter(cache_namespace, lora_name),
+                tenant=share.name,
+                tenant_weight=share.weight,
             )
             for i in range(params.n)
         ]
         self.scheduler.check_fits(children[0])
+        check_ttft_slo(self.scheduler.unfinished_requests(), len(prompt_ids) * params.n,
+                       priority, share, self.scheduler.counters is not None,
+                       self.prefill_drain_rate.rate(self.clock()))
         if self.constrained.attach(children, params):
             self.constrained.hold(request_id, children)  # joins the scheduler once compiled
         else:

@@ -14,6 +14,18 @@ if TYPE_CHECKING:  # logit_controls needs torch, which a request does not
     from iterserve.replica.logit_controls import RequestConstraint
 
 
+@dataclass(frozen=True)
+class TenantShare:
+    """Who a request is served for, as the fair policy weighs it: the tenant's name and its
+    weight (deploy/tenants.py's TenantConfig), carried from the ingress to the engine."""
+
+    name: str = ""
+    weight: float = 1.0
+    # Its tenant's time-to-first-token objective: a request predicted to miss it is refused
+    # at once (replica/slo_admission.py); None: admitted whatever the wait.
+    ttft_slo_ms: float | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -86,6 +98,9 @@ class Request:
     cache_namespace: CacheNamespace = b""
     # The LoRA adapter it runs with (its model name in the API), None for the base model.
     lora_name: str | None = None
+    # Its tenant and weight (the fair policy's virtual token counters; "" and 1: no tenant).
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs and not self.prompt_logprobs:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from iterserve.replica.batching_policy import make_batching
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
+from iterserve.replica.fair_queue import FairWaitingQueue
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.scheduling_policy import SchedulingPolicy, make_policy
@@ -105,9 +106,13 @@ class Scheduler:
         self.plans_ahead = plans_ahead  # async scheduling: see the module docstring
         self.block_manager = block_manager
         self.clock = clock
-        self.policy = policy or make_policy(config.scheduler_policy, config.max_model_len or 0)
+        self.policy = policy or make_policy(config.scheduler_policy, config.max_model_len or 0,
+                                            config.fair_preempts_heavier)
         self.batching = make_batching(config, clock, block_manager)
-        self.waiting = WaitingQueue(by_priority=self.policy.waiting_by_priority)
+        self.counters = self.policy.counters  # the fair policy's; None: nothing is charged
+        self.waiting: WaitingQueue | FairWaitingQueue = \
+            FairWaitingQueue(self.counters) if self.counters is not None \
+            else WaitingQueue(by_priority=self.policy.waiting_by_priority)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
@@ -339,6 +344,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.admitted_time is None:
                 request.admitted_time = self.clock()
+                if self.counters is not None:  # VTC charges a prompt once, when admitted
+                    self.counters.charge_prompt(request.tenant, request.tenant_weight,
+                                                request.num_prompt_tokens)
             self.running.append(request)
             self._add_to_output(output, request, num_new, num_new == remaining,
                                 manager.block_table(request.request_id))
@@ -370,6 +378,7 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         plans_ahead = self.plans_ahead
+        counters = self.counters
         for scheduled in output.scheduled:
             request = scheduled.request
             status = request.status
@@ -393,6 +402,8 @@ class Scheduler:
                 continue
             outputs = request.output_token_ids
             outputs.append(token_id)
+            if counters is not None:
+                counters.charge_output(request.tenant, request.tenant_weight)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.token_times.append(now)

@@ -14,6 +14,11 @@ questions, each over plain values, chosen once from the config at construction:
     max_utilization      admit greedily like fcfs; preempt lowest priority, newest first
     guaranteed_no_evict  admit only if prompt + max_tokens fit beside every running
                          request's worst case; never preempt
+    fair                 priority bands strictly first, then the tenant with the smallest
+                         virtual token counter (VTC, replica/virtual_token_counter.py), then
+                         arrival; preempt the lowest band's heaviest tenant's newest request
+                         (with fair_preempts_heavier=False: the lowest band's newest, so a
+                         light tenant's request never evicts older work of a heavy one)
 
 A new policy is one subclass registered in POLICIES. How batches are formed (continuous or
 static) is the other, independent strategy: `replica/batching_policy.py`.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.request import Request
+from iterserve.replica.virtual_token_counter import VirtualTokenCounters
 
 
 def decodes_first(running: list[Request]) -> list[tuple[Request, int]]:
@@ -41,8 +47,10 @@ class SchedulingPolicy:
 
     name = "fcfs"
     waiting_by_priority = False  # the waiting queue's order: arrival, or (priority, arrival)
+    counters: VirtualTokenCounters | None = None  # the fair policy's: its queue and charges
 
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, preempts_heavier: bool = True) -> None:
+        """preempts_heavier: read by the fair policy alone (see the module docstring)."""
         self.max_model_len = max_model_len
 
     def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
@@ -98,15 +106,48 @@ class GuaranteedNoEvictPolicy(SchedulingPolicy):
         return min(request.max_total_tokens, self.max_model_len)
 
 
+class FairSharePolicy(PriorityPolicy):
+    """fair: bands, then VTC between tenants, then arrival (see the module docstring)."""
+
+    name = "fair"
+
+    def __init__(self, max_model_len: int, preempts_heavier: bool = True) -> None:
+        super().__init__(max_model_len)
+        self.preempts_heavier = preempts_heavier
+        self.counters = VirtualTokenCounters()
+
+    def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
+        # Decodes first, in admission order (each takes one token: their order matters only
+        # when the budget runs out); then the lightest tenants' prefills grow first. Only
+        # the prefills are sorted: the decodes are most of a batch, every step.
+        pending = decodes_first(running)
+        first_prefill = next((i for i, p in enumerate(pending) if p[1] != 1), len(pending))
+        if first_prefill >= len(pending) - 1:
+            return pending
+        prefills = sorted(pending[first_prefill:], key=lambda p: self.rank(p[0]))
+        return pending[:first_prefill] + prefills
+
+    def choose_victim(self, candidates: list[Request]) -> Request | None:
+        if not self.preempts_heavier:
+            return super().choose_victim(candidates)
+        return max(candidates, key=self.rank, default=None)
+
+    def rank(self, request: Request) -> tuple[int, float, float]:
+        """Lower runs first: its band, its tenant's counter, its arrival."""
+        return request.priority, self.counters.counter(request.tenant), request.arrival_time
+
+
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     policy.name: policy
-    for policy in (SchedulingPolicy, PriorityPolicy, MaxUtilizationPolicy, GuaranteedNoEvictPolicy)
+    for policy in (SchedulingPolicy, PriorityPolicy, MaxUtilizationPolicy, GuaranteedNoEvictPolicy,
+                   FairSharePolicy)
 }
 
 
-def make_policy(name: str, max_model_len: int) -> SchedulingPolicy:
+def make_policy(name: str, max_model_len: int, preempts_heavier: bool = True
+                ) -> SchedulingPolicy:
     try:
-        return POLICIES[name](max_model_len)
+        return POLICIES[name](max_model_len, preempts_heavier)
     except KeyError:
         raise ValueError(f"unknown scheduler_policy {name!r}; choose one of "
                          f"{', '.join(POLICIES)}") from None

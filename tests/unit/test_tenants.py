@@ -16,9 +16,11 @@ from iterserve.deploy.auth import ApiKeyChecker, load_api_keys
 from iterserve.deploy.engine_client import LocalEngineClient
 from iterserve.deploy.server import IngressSettings, create_app
 from iterserve.deploy.tenant_file import parse_keys_file
+from iterserve.deploy.tenant_requests import TenantRequest
 from iterserve.deploy.tenants import DEFAULT, Caller, TenantConfig
 from iterserve.replica import AsyncLLMEngine, EngineConfig
 from iterserve.replica.block_keys import cache_namespace
+from iterserve.replica.request import TenantShare
 
 KEYS_FILE = """\
 # tenants
@@ -47,6 +49,14 @@ def test_a_keys_file_gives_each_key_its_tenant_and_each_tenant_its_settings() ->
     assert acme.quota.tokens_per_minute == 60000 and acme.quota.max_concurrent_requests is None
     assert acme.sub_tenants == ("alice", "bob") and acme.sub_tenant_from == "user"
     assert "sk-" not in repr(parsed)
+
+
+def test_the_engine_gets_the_tenants_weight_slo_and_at_best_its_band() -> None:
+    acme = {t.name: t for t in parse_keys_file(KEYS_FILE).tenants}["acme"]
+    request = TenantRequest(Caller(acme), b"", prompt_tokens=4)
+    assert request.share == TenantShare("acme", 2.0, 800.0)
+    assert (request.band(0), request.band(-5), request.band(3)) == (1, 1, 3)
+    assert TenantRequest(Caller(DEFAULT), b"", prompt_tokens=4).band(-5) == -5
 
 
 def test_a_plain_keys_file_parses_as_before() -> None:
@@ -211,3 +221,26 @@ def test_iterserve_serve_stops_on_a_malformed_keys_file_and_passes_the_isolation
     # Only the flag's key travels as a secret; the file's keys (with their tenants) are read
     # by each ingress from the file.
     assert [k.get_secret_value() for k in args["api_keys"]] == ["sk-cli"]
+
+
+def test_the_tenant_and_its_weight_reach_the_fair_engines_counters() -> None:
+    """acme (weight 2) is charged its served tokens halved; a plain key is the default tenant,
+    which arriving after acme left the queue starts from acme's counter (VTC's lift)."""
+    config = EngineConfig.from_kwargs(model="iterserve-tiny", device="cpu", max_model_len=128,
+                                      num_gpu_blocks_override=64, max_num_seqs=4,
+                                      scheduler_policy="fair")
+    engine = AsyncLLMEngine(config)
+    try:
+        with client_for(engine) as http:
+            for key in ("sk-acme", "sk-plain"):
+                response = http.post("/v1/completions",
+                                     headers={"Authorization": f"Bearer {key}"},
+                                     json={"prompt": PROMPT, "max_tokens": 3,
+                                           "ignore_eos": True})
+                assert response.status_code == 200, response.text
+        counters = engine.engine.scheduler.counters
+        served = len(PROMPT) + 2 * 3  # prompt, and a generated token at twice the cost
+        assert counters.counter("acme") == served / 2
+        assert counters.counter(DEFAULT.name) == served / 2 + served
+    finally:
+        engine.shutdown()
