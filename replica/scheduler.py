@@ -320,12 +320,17 @@ class Scheduler:
         self.batching.start_admission(self.waiting, len(self.running))
         manager = self.block_manager
         admitted = 0
+        adapter_waits: list[Request] = []
         while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if not self.batching.admits(request) or request.num_output_placeholders:
                 break  # not in the static batch, or its preempted step is still in flight
             if not self._adapter_fits(request):
-                break  # its adapter would need a slot the running adapters hold (FCFS waits)
+                # Its adapter would need a slot the running adapters hold: it steps aside
+                # for this step and later requests may run (vLLM's rule), rather than
+                # holding every request behind it, base-model ones included.
+                adapter_waits.append(self.waiting.pop())
+                continue
             hits = manager.find_cached_prefix(request)
             num_hit_tokens = len(hits) * manager.block_size
             remaining = request.num_uncomputed_tokens - num_hit_tokens
@@ -352,6 +357,8 @@ class Scheduler:
                                 manager.block_table(request.request_id))
             budget -= num_new
             admitted += 1
+        for request in reversed(adapter_waits):  # back in front, in their order
+            self.waiting.push_front(request)
         self.batching.admitted(admitted)
         return budget
 

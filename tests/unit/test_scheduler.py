@@ -330,3 +330,25 @@ def test_the_per_token_stop_shortcut_stops_where_the_full_check_does(
         run_to_completion(scheduler, runner)
         results.append((request.output_token_ids, request.status, request.stop_reason))
     assert results[0] == results[1]
+
+
+def test_a_request_whose_adapter_finds_no_slot_steps_aside_for_later_ones() -> None:
+    """vLLM's rule: with max_loras adapters running, a request for another adapter waits
+    for a slot, but the requests behind it (base-model ones, or the running adapters') are
+    admitted meanwhile; it keeps its place in front of them."""
+    manager = BlockManager(64, 4, enable_prefix_caching=False)
+    clock = itertools.count()
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                          max_model_len=256), manager,
+                          clock=lambda: float(next(clock)), max_loras=1)
+    runner = NullRunner(64)
+    first, other, base, same = (make_request(6, 4, arrival=float(i)) for i in range(4))
+    first.lora_name, other.lora_name, same.lora_name = "a", "b", "a"
+    for request in (first, other, base, same):
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert [s.request for s in output.scheduled] == [first, base, same]
+    assert list(scheduler.waiting) == [other]
+    scheduler.update(output, runner.execute(output))
+    run_to_completion(scheduler, runner)
+    assert other.status == RequestStatus.FINISHED_LENGTH and len(other.output_token_ids) == 4
