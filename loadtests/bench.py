@@ -38,7 +38,12 @@ from iterserve.autoscale.sim.workload import OutputLengths, WorkloadRequest, mak
 from iterserve.loadtests import bench_report
 from iterserve.loadtests.bench_client import MetricsSampler, NvmlSampler, run_level
 from iterserve.loadtests.bench_stats import compare, parse_slo, summarise_level
-from iterserve.loadtests.servers import Terminated, serve_mode, wait_until_ready
+from iterserve.loadtests.servers import (
+    Terminated,
+    serve_mode,
+    until_terminated,
+    wait_until_ready,
+)
 from iterserve.loadtests.workload import add_workload_arguments
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128)
@@ -245,7 +250,8 @@ def run_benchmark(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, An
         if args.wait_for_load is not None:
             wait_for_quiet_machine(args.wait_for_load, args.wait_timeout_s)
         _note_busy_machine(results)
-        results["modes"] = asyncio.run(run_interleaved(deployments, workload, args))
+        results["modes"] = asyncio.run(until_terminated(
+            run_interleaved(deployments, workload, args)))
         _note_busy_machine(results)
         results["environment"] = _environment(deployments[0].info)
     return results

@@ -15,6 +15,7 @@ for half an hour with a 4 GiB CPU KV cache each.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -23,11 +24,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -36,6 +37,7 @@ from iterserve.deploy.shutdown import EXIT_WITH_PARENT_ENV
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+T = TypeVar("T")
 
 
 class Terminated(KeyboardInterrupt):
@@ -59,6 +61,37 @@ def interrupt_on_termination() -> None:
     if threading.current_thread() is threading.main_thread():
         for signum in TERMINATING_SIGNALS:
             signal.signal(signum, _raise_terminated)
+
+
+async def until_terminated(awaitable: Awaitable[T]) -> T:
+    """`await awaitable`, turning SIGTERM or SIGHUP into Terminated raised here. Inside a
+    running event loop the plain handler raises in whatever task the signal interrupts:
+    that task ends with the exception, asyncio prints "Task exception was never retrieved"
+    and its traceback, and the awaiting code sees it late or not at all. Here the loop takes
+    the signal, cancels this task (and so what it awaits) and raises Terminated once they
+    are cancelled; the previous handlers are back at the end."""
+    loop = asyncio.get_running_loop()
+    this = asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if this is not None:
+            this.cancel()
+
+    previous = {signum: signal.getsignal(signum) for signum in TERMINATING_SIGNALS}
+    for signum in TERMINATING_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if received:
+            raise Terminated(received[0]) from None
+        raise
+    finally:
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, handler)
 
 
 @contextmanager
