@@ -18,12 +18,16 @@ from iterserve.replica.attention_metadata import AttentionMetadata, count_leadin
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
-from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
-from iterserve.replica.disk_kv_tier import DiskKVTier, block_layout_identity, open_disk_tier
 from iterserve.replica.errors import DeviceFaultError
-from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
+from iterserve.replica.kv_space import (
+    decide_num_blocks,
+    kv_bytes_per_block,
+    open_disk_kv_tier,
+    open_host_tier,
+    profile_gpu_blocks,
+)
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
 from iterserve.replica.lora_manager import LoRAManager
 from iterserve.replica.ops import select_ops
@@ -97,7 +101,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self._remember_sampled([], None)
         with self.startup.stage("kv_cache") as stage:  # sized (profiled) and allocated
-            self._num_blocks = self._decide_num_blocks()
+            self._num_blocks = decide_num_blocks(
+                config, self.device, self.kv_bytes_per_block,
+                lambda: profile_gpu_blocks(self.model, self.model_config, config, self.device,
+                                           self.dtype, self.kv_bytes_per_block))
             shape = (self._num_blocks, self.block_size, self.model_config.num_key_value_heads,
                      self.model_config.head_dim)
             if self.cpu_attention is not None:  # left unwritten: untouched pages cost no RAM
@@ -110,25 +117,11 @@ class ModelRunner:
                     for _ in range(self.model_config.num_hidden_layers)
                 ]
                 stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
-            # The host KV tier below it (off by default): allocated, not written.
-            self.host_tier: HostKVTier | None = None
-            if config.cache.kv_offloading_size is not None:
-                slots = host_kv_slots(self._kv_offloading_gib(), self.kv_bytes_per_block)
-                self.host_tier = HostKVTier(slots, self.kv_caches)
-                logger.info("host KV tier: %d blocks (%.2f GiB)", slots,
-                            self.host_tier.nbytes / 2**30)
-            # The disk tier below the host tier (off by default): its files, found again.
-            self.disk_tier: DiskKVTier | None = None
-            if config.cache.kv_offloading_disk_path is not None:
-                identity = block_layout_identity(  # load_dummy's weights: seed 0
-                    repr(self.model_config), None if dummy else weight_files_of(model_path),
-                    str(self.dtype), self.block_size, self.host_tier.layout_signature())
-                self.disk_tier = open_disk_tier(
-                    config.cache.kv_offloading_disk_path, config.cache.kv_offloading_disk_size,
-                    identity, self.host_tier.bytes_per_block)
-                logger.info("disk KV tier: %s, %d blocks (%.2f GiB) found from earlier runs",
-                            self.disk_tier.store.directory, len(self.disk_tier),
-                            self.disk_tier.used_bytes / 2**30)
+            self.host_tier = open_host_tier(config, self.device, self.kv_caches,
+                                            self.kv_bytes_per_block)
+            self.disk_tier = open_disk_kv_tier(
+                config, self.model_config, None if dummy else weight_files_of(model_path),
+                self.dtype, self.host_tier)
         if self.cpu_attention is not None:
             with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
                 mc = self.model_config
@@ -167,77 +160,14 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ memory
     @property
     def kv_bytes_per_block(self) -> int:
-        mc = self.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
 
-    def _kv_offloading_gib(self) -> float:
-        """The host tier's size: the setting's, or for "auto" a share of the memory free now
-        (on CPU less the device KV cache, allocated but not yet touched, so not yet counted)."""
-        cache = self.config.cache
-        if cache.kv_offloading_size != "auto":
-            return float(cache.kv_offloading_size)
-        free = available_memory_bytes()
-        if self.device.type == "cpu":
-            free = max(0, free - self._num_blocks * self.kv_bytes_per_block)
-        return auto_kv_offloading_gib(free, cache.cpu_replicas_per_node)
-
     def num_host_kv_blocks(self) -> int:
         """How many blocks the host KV tier holds (0: no tier)."""
         return self.host_tier.num_slots if self.host_tier is not None else 0
-
-    def _decide_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        if self.device.type != "cuda":
-            sched = self.config.scheduler
-            budget = cpu_kv_cache_bytes(cache, self.kv_bytes_per_block, sched.max_num_seqs,
-                                        sched.max_model_len)
-            return max(1, budget // self.kv_bytes_per_block)
-        return self._profile_gpu_blocks()
-
-    def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization of the GPU after a worst-case forward."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        mc, dev = self.model_config, self.device
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens,
-                         self.config.scheduler.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        scratch = [(torch.zeros(shape, dtype=self.dtype, device=dev),
-                    torch.zeros(shape, dtype=self.dtype, device=dev))
-                   for _ in range(mc.num_hidden_layers)]
-        attn = AttentionMetadata(
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
-            max_query_len=num_tokens, max_seq_len=num_tokens, is_decode_only=False,
-        )
-        with torch.inference_mode():
-            ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-            hidden = self.model(ids, torch.arange(num_tokens, device=dev), scratch, attn)
-            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del scratch, hidden
-        _, total = torch.cuda.mem_get_info(dev)
-        budget = total * self.config.cache.gpu_memory_utilization - peak
-        blocks = int(budget // self.kv_bytes_per_block)
-        if blocks < 1:
-            raise ValueError(
-                f"no GPU memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB at gpu_memory_utilization="
-                f"{self.config.cache.gpu_memory_utilization}; raise it or use a smaller model"
-            )
-        logger.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, self.block_size,
-                    blocks * self.kv_bytes_per_block / 2**30)
-        return blocks
 
     # ----------------------------------------------------------------------------- execute
     def release(self, request_id: str) -> None:
