@@ -77,7 +77,7 @@ def add_engine_flags(group: argparse._ArgumentGroup) -> None:
                                default=None, help=shown)
         else:
             group.add_argument(*flags, dest=spec.name, type=spec.type, choices=spec.choices,
-                               default=None, help=shown)
+                               nargs="+" if spec.many else None, default=None, help=shown)
 
 
 def _help(text: str, default: object) -> str:
@@ -108,8 +108,9 @@ def add_app_flags(group: argparse._ArgumentGroup) -> None:
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
     """Only the engine flags the user gave (EngineConfig keeps its defaults for the rest)."""
-    kwargs = {spec.name: getattr(args, spec.name) for spec in engine_settings()
-              if getattr(args, spec.name) is not None}
+    kwargs = {spec.name: ",".join(getattr(args, spec.name)) if spec.many
+              else getattr(args, spec.name)
+              for spec in engine_settings() if getattr(args, spec.name) is not None}
     if args.simulate:
         kwargs["runner"] = "simulated"
     return kwargs

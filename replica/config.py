@@ -32,12 +32,15 @@ KV_OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend; lmcache 
 
 def setting(default: Any, help: str, aliases: tuple[str, ...] = (),
             choices: tuple[str, ...] | None = None,
-            parse: Callable[[str], Any] | None = None) -> Any:  # noqa: ANN401 - a dataclass field
+            parse: Callable[[str], Any] | None = None,
+            many: bool = False) -> Any:  # noqa: ANN401 - a dataclass field
     """A field that is a user-facing setting: its one declaration. The CLI flag (`--name`),
     its aliases (TensorRT-LLM spellings, as kwargs and flags) and its help come from here;
-    `parse` reads the flag's text where the field's type alone cannot (a number or "auto")."""
+    `parse` reads the flag's text where the field's type alone cannot (a number or "auto");
+    `many`: the flag takes one or more values, as vLLM's list flags do (`--lora-modules a=x
+    b=y`), joined by commas into the field."""
     return field(default=default, metadata={"help": help, "aliases": aliases,
-                                            "choices": choices, "parse": parse})
+                                            "choices": choices, "parse": parse, "many": many})
 
 
 def gib_or_auto(text: str) -> float | str:
@@ -252,8 +255,9 @@ class EngineConfig:
                                  "to it)")
     max_cpu_loras: int | None = setting(None, "LoRA adapters kept read in host memory, LRU "
                                         "(default: max_loras)")
-    lora_modules: str | None = setting(None, "adapters served from start: name=path pairs "
-                                       "separated by commas")
+    lora_modules: str | None = setting(None, "adapters served from start: name=path pairs, "
+                                       "separated by spaces (as vLLM's flag) or commas",
+                                       many=True)
     runtime_lora_root: str | None = setting(
         None, "enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter; loads read only "
         "adapter folders under this directory (unset: the endpoints answer 404)")
@@ -341,6 +345,7 @@ class SettingSpec:
     help: str
     aliases: tuple[str, ...]
     choices: tuple[str, ...] | None
+    many: bool = False  # the flag takes one or more values, joined by commas
 
 
 def engine_settings() -> tuple[SettingSpec, ...]:
@@ -354,7 +359,8 @@ def engine_settings() -> tuple[SettingSpec, ...]:
             options = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
             kind = f.metadata["parse"] or (options[0] if options else hints[f.name])
             specs.append(SettingSpec(f.name, kind, f.default, f.metadata["help"],
-                                     f.metadata["aliases"], f.metadata["choices"]))
+                                     f.metadata["aliases"], f.metadata["choices"],
+                                     f.metadata.get("many", False)))
     return tuple(specs)
 
 

@@ -104,6 +104,14 @@ def test_cli_engine_flags_and_aliases():
         parser.parse_args(["--batching", "sometimes"])
 
 
+def test_lora_modules_flag_takes_vllm_spaces_or_commas() -> None:
+    parser = cli_serve.build_parser()
+    for argv in (["--lora-modules", "sql=/a", "chat=/b c"], ["--lora-modules", "sql=/a,chat=/b c"]):
+        kwargs = cli_serve.engine_kwargs_from(parser.parse_args(["--enable-lora", *argv]))
+        config = EngineConfig.from_kwargs(runner="model", **kwargs)
+        assert config.lora_module_paths == {"sql": "/a", "chat": "/b c"}
+
+
 def test_cli_dispatch(capsys, monkeypatch):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
