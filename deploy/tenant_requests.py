@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from iterserve.dashboards.tenant_metrics import TenantMetrics
+from iterserve.deploy.outside_engine import OutsideEngineMeter
 from iterserve.deploy.quota_ledger import Admission
 from iterserve.deploy.quotas import LocalQuotas, QuotaGate, rate_limit_headers, rate_limited
 from iterserve.deploy.tenants import DEFAULT, Caller
@@ -35,13 +36,16 @@ class TenantRequest:
     quotas: QuotaGate | None = None
     admission: Admission | None = None
     metrics: TenantMetrics | None = None
+    outside: OutsideEngineMeter | None = None
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def share(self) -> TenantShare:
-        """Whom the engine serves it for: the tenant and its weight (the fair policy)."""
+        """Whom the engine serves it for: the tenant and its weight (the fair policy), its
+        TTFT objective and the time outside the engine the objective must leave room for."""
         tenant = self.caller.tenant
-        return TenantShare(tenant.name, tenant.weight, tenant.ttft_slo_ms)
+        outside = self.outside.estimate_s() if self.outside is not None else 0.0
+        return TenantShare(tenant.name, tenant.weight, tenant.ttft_slo_ms, outside)
 
     def band(self, priority: int) -> int:
         """The engine priority of a request asking for `priority`: a keys-file tenant's never
@@ -62,15 +66,21 @@ class TenantRequest:
         try:
             async for item in stream:
                 count = len(item[1].new_token_ids)
-                if first and count and self.metrics is not None:
+                if first and count:
                     first = False
-                    self.metrics.record_first_token(self.caller.tenant.name,
-                                                    time.perf_counter() - self.started)
+                    self._record_first_token(item[1])
                 generated += count
                 yield item
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
             self.finish(generated)
+
+    def _record_first_token(self, output: RequestOutput) -> None:
+        ttft = time.perf_counter() - self.started
+        if self.metrics is not None:
+            self.metrics.record_first_token(self.caller.tenant.name, ttft)
+        if self.outside is not None and output.first_token_time is not None:
+            self.outside.record(ttft, output.first_token_time - output.arrival_time)
 
     def finish(self, generated: int) -> None:
         """Release the lease (the tokens served: prompt + generated) and count the tokens;
@@ -91,6 +101,7 @@ class Tenancy:
     quotas: QuotaGate = field(default_factory=LocalQuotas)
     metrics: TenantMetrics | None = None
     cache_isolation: bool = True
+    outside: OutsideEngineMeter = field(default_factory=OutsideEngineMeter)
 
     async def begin(self, caller: Caller | None, cache_salt: str | None, prompt_tokens: int,
                     max_tokens: int) -> TenantRequest:
@@ -99,7 +110,8 @@ class Tenancy:
         caller = caller or Caller(DEFAULT)
         tenant = caller.tenant
         namespace = caller.cache_namespace(self.cache_isolation, cache_salt)
-        request = TenantRequest(caller, namespace, prompt_tokens, metrics=self.metrics)
+        request = TenantRequest(caller, namespace, prompt_tokens, metrics=self.metrics,
+                                outside=self.outside)
         if tenant.quota.limited:
             charge = prompt_tokens + max_tokens
             admission = await self.quotas.admit(tenant, charge)

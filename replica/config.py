@@ -166,6 +166,12 @@ class SchedulerConfig:
     # `admission_min_free_slots` batch slots are free or `admission_max_wait_ms` has passed.
     admission_min_free_slots: int = setting(0, "admit only once this many batch slots are free")
     admission_max_wait_ms: float = setting(0.0, "... or once a request waited this long")
+    # SLO-aware admission (replica/slo_admission.py) admits a request only when its predicted
+    # TTFT is within this fraction of its tenant's ttft_slo_ms: the rest absorbs the
+    # prediction's error, which admitting right up to the objective puts over the line.
+    slo_admission_headroom: float = setting(
+        0.8, "admit a request with a TTFT objective only when its predicted TTFT is within "
+        "this fraction of the objective (0 < f <= 1)")
     max_waiting_requests: int | None = setting(
         None, "bound of the waiting queue; beyond it requests get 429 (default: unbounded)")
     # Static batching keeps finished rows as padding until the batch's longest request ends,
@@ -183,6 +189,8 @@ class SchedulerConfig:
                  f"unknown batching {self.batching!r}; choose one of {', '.join(BATCHING_MODES)}")
         _require(self.admission_min_free_slots >= 0, "admission_min_free_slots must be >= 0")
         _require(self.admission_max_wait_ms >= 0, "admission_max_wait_ms must be >= 0")
+        _require(0 < self.slo_admission_headroom <= 1, "slo_admission_headroom must be in "
+                 f"(0, 1], got {self.slo_admission_headroom}")
         _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                  f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         _require(self.max_model_len is None or self.max_model_len >= 1,

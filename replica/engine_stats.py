@@ -20,6 +20,7 @@ from iterserve.replica.block_hashes import DISK, BlockHashIndex
 from iterserve.replica.outputs import SchedulerOutput
 from iterserve.replica.prefill_rate import RATE_WINDOW_S, PrefillRateMeter
 from iterserve.replica.request import Request
+from iterserve.replica.slo_admission import ActiveTenants, DrainRate
 from iterserve.replica.stats import (
     FINISH_REASONS,
     EngineStats,
@@ -60,6 +61,8 @@ class EngineStatsReporting:
         # sample ended (None: the engine had nothing left to do).
         self.prefill_drain_rate = PrefillRateMeter()
         self._busy_since: float | None = None
+        # Per band, the tenants admitted lately: SLO admission's fair share is theirs.
+        self.active_tenants = ActiveTenants()
         self._last_step_tokens = 0
         # Kept up to date by the block manager as blocks are cached and evicted, so a
         # router's report costs O(hashes reported), not a pass over the whole cache.
@@ -165,6 +168,11 @@ class EngineStatsReporting:
         finished = self._take_unlogged_finished()
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration, finished)
+
+    def drain_rate(self, now: float) -> DrainRate:
+        """How fast the admitted prompts drain now (what SLO admission predicts with)."""
+        meter = self.prefill_drain_rate
+        return DrainRate(meter.rate(now), meter.mean_seconds(now))
 
     def _record_drain(self, start: float, now: float, prefill_tokens: int) -> None:
         if prefill_tokens:

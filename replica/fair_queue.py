@@ -1,6 +1,6 @@
 """The fair policy's waiting queue: priority bands strictly first, the tenant with the smallest
-virtual token counter within a band (`replica/virtual_token_counter.py`), arrival order
-within a tenant.
+virtual token counter within a band (`replica/virtual_token_counter.py`; on a tie the one
+with fewer requests waiting), arrival order within a tenant.
 
 Counters move every step, so no single heap can hold the order: each (band, tenant) keeps
 its own arrival-ordered heap and `peek` compares the heads, one per backlogged tenant (a
@@ -76,6 +76,9 @@ class FairWaitingQueue:
         return min(self._flows, key=lambda flow: self._flow_key(flow, self._flows[flow][0]))
 
     def _flow_key(self, flow: Flow, entry: tuple[float, int, Request]
-                  ) -> tuple[int, float, float, int]:
+                  ) -> tuple[int, float, int, float, int]:
+        # On equal counters the tenant with fewer requests waiting goes first: a tenant
+        # back from idle is lifted to exactly the backlogged minimum, and by arrival alone
+        # its request would still queue behind the backlogged tenant's oldest.
         band, tenant = flow
-        return band, self.counters.counter(tenant), entry[0], entry[1]
+        return band, self.counters.counter(tenant), len(self._flows[flow]), entry[0], entry[1]

@@ -175,9 +175,12 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
             for i in range(params.n)
         ]
         self.scheduler.check_fits(children[0])
+        now = self.clock()
         check_ttft_slo(self.scheduler.unfinished_requests(), len(prompt_ids) * params.n,
                        priority, share, self.scheduler.counters is not None,
-                       self.prefill_drain_rate.rate(self.clock()))
+                       self.drain_rate(now), self.active_tenants.of_band(priority, now),
+                       self.config.scheduler.slo_admission_headroom)
+        self.active_tenants.admitted(priority, share, now)
         if self.constrained.attach(children, params):
             self.constrained.hold(request_id, children)  # joins the scheduler once compiled
         else:

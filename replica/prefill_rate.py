@@ -41,6 +41,12 @@ class PrefillRateMeter:
         seconds = sum(s for _, _, s in recent)
         return sum(t for _, t, _ in recent) / seconds if seconds > 0 else 0.0
 
+    def mean_seconds(self, now: float) -> float:
+        """The mean seconds of a sample in the window ending at now (0.0: no sample)."""
+        self.rate(now)  # drops the samples that left the window
+        recent = self._recent
+        return sum(s for _, _, s in recent) / len(recent) if recent else 0.0
+
     def samples(self) -> list[tuple[float, int, float]]:
         """The (end time, prompt tokens, step seconds) samples in the window, oldest first."""
         return list(self._recent)

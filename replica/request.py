@@ -24,6 +24,9 @@ class TenantShare:
     # Its tenant's time-to-first-token objective: a request predicted to miss it is refused
     # at once (replica/slo_admission.py); None: admitted whatever the wait.
     ttft_slo_ms: float | None = None
+    # What its ingress measured its recent requests to spend outside the engine before their
+    # first token (deploy/outside_engine.py): the objective leaves room for it.
+    ttft_outside_engine_s: float = 0.0
 
 
 class RequestStatus(enum.Enum):

@@ -321,8 +321,11 @@ class Scheduler:
         manager = self.block_manager
         admitted = 0
         adapter_waits: list[Request] = []
+        short_step = False  # a light tenant's prompt is in: no backlogged tenant's after it
         while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if short_step and self.policy.is_backlogged(request):
+                break
             if not self.batching.admits(request) or request.num_output_placeholders:
                 break  # not in the static batch, or its preempted step is still in flight
             if not self._adapter_fits(request):
@@ -357,6 +360,7 @@ class Scheduler:
                                 manager.block_table(request.request_id))
             budget -= num_new
             admitted += 1
+            short_step = short_step or self.policy.wants_short_step(request)
         for request in reversed(adapter_waits):  # back in front, in their order
             self.waiting.push_front(request)
         self.batching.admitted(admitted)

@@ -8,6 +8,8 @@ questions, each over plain values, chosen once from the config at construction:
                                      with its uncomputed token count
     choose_victim(candidates)        which running request to preempt (None: never preempt)
     fits(request, num_new, hits, running, blocks)    whether a waiting request may be admitted
+    wants_short_step(admitted), is_backlogged(request)   whether the step that admitted a
+                                     request admits no backlogged tenant's after it (fair)
 
     fcfs                 arrival order; when blocks run out, preempt the newest
     priority             (priority, arrival) order; preempt the lowest priority, newest first
@@ -18,7 +20,12 @@ questions, each over plain values, chosen once from the config at construction:
                          virtual token counter (VTC, replica/virtual_token_counter.py), then
                          arrival; preempt the lowest band's heaviest tenant's newest request
                          (with fair_preempts_heavier=False: the lowest band's newest, so a
-                         light tenant's request never evicts older work of a heavy one)
+                         light tenant's request never evicts older work of a heavy one);
+                         a step that admits the request of a tenant with nothing else
+                         waiting, while another tenant is backlogged, admits no backlogged
+                         tenant's request after it: its first token comes at the step's
+                         end, which their prompts would put off (they run in the next
+                         step; the cost is one step's fixed time per such request)
 
 A new policy is one subclass registered in POLICIES. How batches are formed (continuous or
 static) is the other, independent strategy: `replica/batching_policy.py`.
@@ -62,6 +69,15 @@ class SchedulingPolicy:
     def fits(self, request: Request, num_new: int, hits: list[int], running: list[Request],
              blocks: BlockManager) -> bool:
         return blocks.can_allocate(request, num_new, hits)
+
+    def wants_short_step(self, admitted: Request) -> bool:
+        """Whether the step that just admitted `admitted` should admit no backlogged
+        tenant's request after it (only the fair policy asks)."""
+        return False
+
+    def is_backlogged(self, request: Request) -> bool:
+        """Whether a waiting request's tenant has more requests waiting behind it."""
+        return False
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -131,6 +147,16 @@ class FairSharePolicy(PriorityPolicy):
         if not self.preempts_heavier:
             return super().choose_victim(candidates)
         return max(candidates, key=self.rank, default=None)
+
+    def wants_short_step(self, admitted: Request) -> bool:
+        # A tenant with nothing else waiting, while another tenant is backlogged: within its
+        # share, and its first token waits for this step's end, which a backlogged tenant's
+        # prompts admitted after it would put off (they go in the next step instead).
+        backlog = self.counters.backlog
+        return admitted.tenant not in backlog and bool(backlog)
+
+    def is_backlogged(self, request: Request) -> bool:
+        return self.counters.backlog.get(request.tenant, 0) > 1
 
     def rank(self, request: Request) -> tuple[int, float, float]:
         """Lower runs first: its band, its tenant's counter, its arrival."""

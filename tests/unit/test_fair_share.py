@@ -54,8 +54,10 @@ def admitted_after_heavys_first(policy: str) -> Request:
     runs once heavy's first has finished?"""
     s, runner = scheduler(policy=policy)
     first = request("heavy", 0.0)
-    for r in (first, request("heavy", 1.0), request("heavy", 2.0), request("light", 3.0)):
+    for r in (first, request("heavy", 1.0), request("heavy", 2.0)):
         s.add_request(r)
+    step(s, runner)  # heavy's first runs before light's arrives
+    s.add_request(request("light", 3.0))
     while first.status.is_finished is False:
         step(s, runner)  # heavy has been served; light, backlogged too, has not
     s.schedule()
