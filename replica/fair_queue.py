@@ -20,7 +20,7 @@ Flow = tuple[int, str]  # (priority band, tenant)
 
 
 class FairWaitingQueue:
-    """The WaitingQueue interface (scheduler.py), ordered by band, counter, then arrival."""
+    """The WaitingQueue interface (waiting_queue.py), ordered by band, counter, then arrival."""
 
     def __init__(self, counters: VirtualTokenCounters) -> None:
         self.counters = counters
