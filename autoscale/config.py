@@ -111,8 +111,8 @@ class RouterConfig(BaseModel):
         description="A request for a LoRA adapter goes to a replica running it, else holding "
         "it with a slot free, among the replicas waiting at most this many requests more "
         "than the least waiting one; beyond, load wins and one of those reads the adapter, "
-        "so a hot adapter spreads (autoscale/lora_affinity.py; tournament LoRA cells: 8 "
-        "and 16 alike at 8 replicas, 4 spreads too often).",
+        "so a hot adapter spreads (autoscale/lora_affinity.py; the tournament's LoRA cell "
+        "at 8 replicas, seed 0: p99 TTFT 0.243 s at 8, 0.245 s at 16).",
     )
     drain_inflight_prefill: bool = Field(
         True,
