@@ -62,7 +62,7 @@ async def stream(http: httpx.AsyncClient, model: str,
         if response.status_code != 200:
             return {"model": model, "status": response.status_code,
                     "error": json.loads(await response.aread())["error"]}
-        text, usage, done = "", None, False
+        text, usage, done, errors = "", None, False, []
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -70,13 +70,16 @@ async def stream(http: httpx.AsyncClient, model: str,
                 done = True
                 continue
             chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:  # a request failed mid-stream: lost
+                errors.append(chunk["error"])
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
                 text += choice.get("text", "")
                 if started is not None and choice.get("text"):
                     started.set()
-    return {"model": model, "status": 200, "text": text, "usage": usage, "done": done}
+    return {"model": model, "status": 200, "text": text, "usage": usage, "done": done,
+            "errors": errors}
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict[str, str]) -> int:
@@ -141,8 +144,8 @@ def test_adapters_load_and_unload_while_requests_stream_and_nothing_is_lost(
     for result in served:
         round_no = None if result["model"] == base_model else int(result["model"].split("-")[1])
         want = alone["base" if round_no is None else FOLDERS[round_no % len(FOLDERS)]]
-        assert result["status"] == 200 and result["done"], result
-        assert result["usage"]["completion_tokens"] == MAX_TOKENS, result
+        assert result["status"] == 200 and result["done"] and not result["errors"], result
+        assert result["usage"] and result["usage"]["completion_tokens"] == MAX_TOKENS, result
         assert result["text"] == want, result  # its own adapter's tokens, nobody else's
     assert all(codes == [409, 200] for codes in out["unloads"].values()), out["unloads"]
     assert gone["status"] == 404 and gone["model"] in gone["error"]["message"]
