@@ -107,11 +107,12 @@ class RouterConfig(BaseModel):
         "pile tenants up).",
     )
     lora_affinity_slack: float = Field(
-        1.0, ge=0.0,
-        description="A request for a LoRA adapter goes to the best-ranked replica holding "
-        "it while that replica's waiting requests exceed the leader's by at most this many; "
-        "beyond, load wins and the leader reads the adapter, so a hot adapter spreads "
-        "(autoscale/lora_affinity.py).",
+        8.0, ge=0.0,
+        description="A request for a LoRA adapter goes to a replica running it, else holding "
+        "it with a slot free, among the replicas waiting at most this many requests more "
+        "than the least waiting one; beyond, load wins and one of those reads the adapter, "
+        "so a hot adapter spreads (autoscale/lora_affinity.py; the tournament's LoRA cell "
+        "at 8 replicas, seed 0: p99 TTFT 0.243 s at 8, 0.245 s at 16).",
     )
     drain_inflight_prefill: bool = Field(
         True,

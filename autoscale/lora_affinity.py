@@ -1,13 +1,23 @@
 """LoRA adapter affinity: send a request for an adapter where the adapter is already held.
 
 A replica that does not hold a request's adapter reads it from disk first (milliseconds to
-seconds, before the request's prefill), so the router prefers the best-ranked replica that
-reports holding it (`ReplicaLoad.lora_adapters`), under a load guard: only while that replica
-waits at most `lora_affinity_slack` requests more than the replica the score put first.
-Beyond, load wins: the leader gets the request and reads the adapter, so an adapter whose
-traffic outgrows one replica spreads over more replicas instead of queueing on the one that
-held it first (the pinning Ray Serve's multiplexing shows, ray#65691). Pure functions: the
-Ray router (router.py) calls them after ranking.
+seconds, before the request's prefill), and one whose `max_loras` adapter slots all serve
+running requests makes a request for another adapter wait until one of them has no request
+left (the engine's admission rule): under a steady mix that wait has no bound. So, as the
+Gateway API inference extension's lora-affinity scorer does, the router prefers a replica
+running the adapter, then one holding it (`ReplicaLoad.lora_adapters`) with a slot free for
+it, then any with a slot free (which reads it), under a load guard: only replicas waiting
+at most `lora_affinity_slack` requests more than the least waiting one. Beyond, load wins and
+a replica near the floor reads the adapter, so an adapter whose traffic outgrows its holders
+spreads instead of queueing on the replicas that held it first (the pinning Ray Serve's
+multiplexing shows, ray#65691).
+
+The guard is measured from the least waiting replica, not from the score's leader: the
+score's routed-work balance assumes replicas of equal speed, and a replica slowed by adapter
+loads and slot waits gets the least routed work, so it stays the leader while its queue
+grows; measured from it, a slack admits every holder however far behind (the tournament's
+8-replica LoRA cells: 15 s p99 TTFT, loadtests/studies/router_tournament/README.md). Pure
+functions: the Ray router (router.py) and the simulator's call them after ranking.
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.router_inflight import Correction
+from iterserve.autoscale.router_policy import effective_load
 from iterserve.autoscale.signals import ReplicaLoad
 
 R = TypeVar("R")
@@ -32,20 +45,51 @@ def request_adapter(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | Non
 
 
 def prefer_adapter_holders(ranked: Sequence[R], loads: Mapping[R, ReplicaLoad | None],
-                           adapter: str | None, slack: float) -> list[R]:
-    """`ranked` (best first) with the best-ranked replica holding `adapter` moved to the
-    front, if it is not draining and waits at most `slack` requests more than the leader."""
+                           waiting: Mapping[R, int], adapter: str | None, slack: float
+                           ) -> list[R]:
+    """`ranked` (best first) with the replica for `adapter`'s request moved to the front.
+
+    waiting: each replica's waiting requests as the router counts them (its last stats plus
+    the requests sent since). Only replicas not draining that wait at most `slack` more
+    than the least waiting one are taken; among them, the least waiting (ties: the ranking)
+    of the first group that is not empty: those running the adapter, those holding it with
+    a slot free for it, then the best ranked with a slot free, then the best ranked."""
     order = list(ranked)
     if adapter is None or not order:
         return order
-    leader = loads.get(order[0])
-    if leader is not None and adapter in leader.lora_adapters:
-        return order
-    leader_waiting = leader.num_waiting if leader is not None else 0
-    for position, replica in enumerate(order):
-        load = loads.get(replica)
-        if load is None or load.draining or adapter not in load.lora_adapters:
-            continue
-        if load.num_waiting <= leader_waiting + slack:
-            return [replica, *order[:position], *order[position + 1:]]
-    return order
+    live = [r for r in order if not _draining(loads.get(r))] or order
+    floor = min(waiting.get(r, 0) for r in live)
+    near = [r for r in live if waiting.get(r, 0) <= floor + slack]
+    with_slot = [r for r in near if _has_slot_for(loads.get(r), adapter)]
+    running = [r for r in with_slot if _runs(loads.get(r), adapter)]
+    holders = [r for r in with_slot if _holds(loads.get(r), adapter)]
+    if running or holders:
+        first = min(running or holders, key=lambda r: waiting.get(r, 0))
+    else:
+        first = (with_slot or near)[0]
+    return [first, *(r for r in order if r != first)]
+
+
+def _draining(load: ReplicaLoad | None) -> bool:
+    return load is not None and load.draining
+
+
+def _has_slot_for(load: ReplicaLoad | None, adapter: str) -> bool:
+    return load is None or load.has_slot_for(adapter)
+
+
+def _runs(load: ReplicaLoad | None, adapter: str) -> bool:
+    return load is not None and adapter in load.lora_running
+
+
+def _holds(load: ReplicaLoad | None, adapter: str) -> bool:
+    return load is not None and adapter in load.lora_adapters
+
+
+def waiting_counts(ids: Sequence[R], loads: Sequence[ReplicaLoad | None],
+                   corrections: Sequence[Correction | None], now: float, config: RouterConfig
+                   ) -> dict[R, int]:
+    """Each replica's waiting requests as the score counts them (`effective_load`): its last
+    stats plus the requests sent to it since (None: none)."""
+    return {rid: effective_load(load, correction or Correction(0), now, config)[0]
+            for rid, load, correction in zip(ids, loads, corrections, strict=True)}

@@ -59,7 +59,11 @@ from ray.serve.request_router import (
 )
 
 from iterserve.autoscale.config import RouterConfig
-from iterserve.autoscale.lora_affinity import prefer_adapter_holders, request_adapter
+from iterserve.autoscale.lora_affinity import (
+    prefer_adapter_holders,
+    request_adapter,
+    waiting_counts,
+)
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
@@ -222,8 +226,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
                                      request_namespace(pending_request))
         ranked = self._core.rank(replica_ids, loads, key, num_tokens, time.time(),
                                  prompt_tokens=len(token_ids or ()), cached_tokens=cached)
-        ranked = prefer_adapter_holders(ranked, dict(zip(replica_ids, loads, strict=True)),
-                                        adapter, self.config.lora_affinity_slack)
+        if adapter is not None:
+            now = time.time()
+            waiting = waiting_counts(replica_ids, loads, [self._core.in_flight.correction(
+                rid, load) for rid, load in zip(replica_ids, loads, strict=True)], now,
+                self.config)
+            ranked = prefer_adapter_holders(ranked, dict(zip(replica_ids, loads, strict=True)),
+                                            waiting, adapter, self.config.lora_affinity_slack)
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
         if pending_request is not None:

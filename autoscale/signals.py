@@ -76,13 +76,19 @@ class ReplicaLoad:
     # The LoRA adapters it holds read (their model names): a request for one of them needs
     # no load there (autoscale/lora_affinity.py).
     lora_adapters: frozenset[str] = frozenset()
+    # The adapters of its running requests and its adapter slots (0: not reported): a
+    # request for another adapter waits for a slot where max_loras of them already run.
+    lora_running: frozenset[str] = frozenset()
+    max_loras: int = 0
     lower_tier_hashes: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
-        if self.num_waiting < 0 or self.num_running < 0 or self.queued_prefill_tokens < 0:
-            raise ValueError("num_waiting, num_running and queued_prefill_tokens must be >= 0")
+        if self.num_waiting < 0 or self.num_running < 0 or self.queued_prefill_tokens < 0 \
+                or self.max_loras < 0:
+            raise ValueError("num_waiting, num_running, queued_prefill_tokens and max_loras "
+                             "must be >= 0")
         if not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
             raise ValueError(
                 f"num_free_blocks ({self.num_free_blocks}) must be in "
@@ -121,6 +127,8 @@ class ReplicaLoad:
             num_preemptions=int(stats.num_preemptions),
             prefill_token_rate=float(stats.prefill_token_rate),
             queued_prefill_tokens=int(stats.queued_prefill_tokens),
+            lora_running=frozenset(stats.running_lora_adapters),
+            max_loras=int(stats.max_loras),
         )
 
     def with_cached_blocks(self, hashes: Mapping[str, Iterable[int]] | Iterable[int] | None,
@@ -138,6 +146,12 @@ class ReplicaLoad:
     def with_adapters(self, names: Iterable[str]) -> ReplicaLoad:
         """This load with the LoRA adapters the replica holds."""
         return replace(self, lora_adapters=frozenset(names))
+
+    def has_slot_for(self, adapter: str) -> bool:
+        """Whether a request for `adapter` can run at once as far as adapter slots go: it
+        runs there already, or fewer than max_loras adapters run (not reported: yes)."""
+        return (not self.max_loras or adapter in self.lora_running
+                or len(self.lora_running) < self.max_loras)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaLoad:
@@ -161,7 +175,9 @@ class ReplicaLoad:
                 prefill_token_rate=float(data.get("prefill_token_rate", 0.0)),
                 queued_prefill_tokens=int(float(data.get("queued_prefill_tokens", 0))),
                 **_cached_blocks_of(data),
-                lora_adapters=_adapters_of(data),
+                lora_adapters=_adapters_of(data, "lora_adapters"),
+                lora_running=_adapters_of(data, "lora_running"),
+                max_loras=int(float(data.get("max_loras", 0))),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc
@@ -192,6 +208,8 @@ class ReplicaLoad:
             data["block_size"] = float(self.block_size)
         if self.lora_adapters:
             data["lora_adapters"] = sorted(self.lora_adapters)
+        if self.lora_running:
+            data["lora_running"] = sorted(self.lora_running)
         return data
 
     def to_autoscaling_metrics(self) -> dict[str, float]:
@@ -205,7 +223,7 @@ class ReplicaLoad:
 
 
 _NOT_PLAIN_NUMBERS = ("max_waiting_requests", "draining", "cached_block_hashes", "block_size",
-                      "lora_adapters", "lower_tier_hashes")
+                      "lora_adapters", "lora_running", "lower_tier_hashes")
 _WORD = np.dtype("<u8")  # one stable hash on the wire: 8 bytes, little-endian
 
 
@@ -231,11 +249,11 @@ def _hash_set(value: Any) -> frozenset[int]:  # noqa: ANN401
     return frozenset(value)
 
 
-def _adapters_of(data: Mapping[str, Any]) -> frozenset[str]:
-    names = data.get("lora_adapters") or ()
+def _adapters_of(data: Mapping[str, Any], key: str) -> frozenset[str]:
+    names = data.get(key) or ()
     if not isinstance(names, (list, tuple, set, frozenset)) or not all(
             isinstance(n, str) for n in names):
-        raise ValueError("lora_adapters must be a list of names")
+        raise ValueError(f"{key} must be a list of names")
     return frozenset(names)
 
 

@@ -20,7 +20,8 @@ rows and redoes per-replica work only for the changed views (`KVRouterCore.best_
 the same decision and the same random draws (tests/unit/test_router_offer.py).
 
 A request naming a LoRA adapter (`RouteRequest.adapter`) is ranked in full (`rank`) and the
-ranking goes through `prefer_adapter_holders`, as the Ray adapter's `choose_replicas` does;
+ranking goes through `prefer_adapter_holders` (with each replica's waiting requests as the
+score counts them), as the Ray adapter's `choose_replicas` does;
 lora_affinity=False leaves the adapter out (the score alone decides).
 """
 
@@ -32,7 +33,7 @@ from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
-from iterserve.autoscale.lora_affinity import prefer_adapter_holders
+from iterserve.autoscale.lora_affinity import prefer_adapter_holders, waiting_counts
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
@@ -99,7 +100,7 @@ class IterserveRouter:
     def _choose_for_adapter(self, ctx: RoutingContext, rng: random.Random, adapter: str
                             ) -> Hashable:
         """The Ray adapter's decision for a request naming `adapter`: the full ranking,
-        then the best-ranked holder of the adapter first while within the slack."""
+        then `prefer_adapter_holders` on the waiting counts the score uses."""
         self._offered = None  # its rows miss this request's changes: rebuilt when next used
         shuffled = list(ctx.replicas)
         shuffle(rng, shuffled)
@@ -112,8 +113,12 @@ class IterserveRouter:
         ranked = self.core.rank(ids, loads, key, tokens, ctx.now,
                                 prompt_tokens=len(ctx.request.prompt_token_ids),
                                 cached_tokens=self._cached, corrections=corrections)
-        return prefer_adapter_holders(ranked, dict(zip(ids, loads, strict=True)), adapter,
-                                      self.config.lora_affinity_slack)[0]
+        if corrections is None:
+            corrections = [self.core.in_flight.correction(rid, load)
+                           for rid, load in zip(ids, loads, strict=True)]
+        waiting = waiting_counts(ids, loads, corrections, ctx.now, self.config)
+        return prefer_adapter_holders(ranked, dict(zip(ids, loads, strict=True)), waiting,
+                                      adapter, self.config.lora_affinity_slack)[0]
 
     def _choose_offered(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         """choose() where the caller says what changed since the previous request

@@ -155,6 +155,10 @@ class SimulatedReplica:
             prefill_token_rate=self.prefill_rate.rate(now),
             queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
             lora_adapters=self.adapters.held() if self.adapters is not None else frozenset(),
+            lora_running=frozenset(r.lora_name for r in self.scheduler.running
+                                   if r.lora_name is not None)
+            if self.adapters is not None else frozenset(),
+            max_loras=self.scheduler.max_loras,
         )
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:

@@ -57,3 +57,52 @@ def test_runtime_adapter_reaches_every_replica(served: tuple[str, Path]) -> None
                for r in http.get("/debug/replicas").json()["data"])
     with pytest.raises(openai.NotFoundError, match="sql"):
         client.completions.create(model="sql", prompt=PROMPT, max_tokens=4)
+
+
+def serve_actor_pids(class_fragment: str) -> list[int]:
+    """PIDs of this Ray session's live actors of that class (reliability_support's)."""
+    import ray
+
+    return sorted(int(info["Pid"]) for info in ray._private.state.actors().values()
+                  if class_fragment in info["ActorClassName"] and info["State"] == "ALIVE"
+                  and info.get("Pid"))
+
+
+def test_replicas_started_after_a_load_serve_the_adapter(served: tuple[str, Path]) -> None:
+    """Both replicas killed after a runtime load: the two Serve starts in their place never
+    saw the load, and a request for the adapter is served there with the same tokens, read
+    from the folder the ingress's registry sends with it (Serve starts a replacement as it
+    starts one the autoscaler adds)."""
+    import os
+    import signal
+    import time
+
+    url, _ = served
+    http = httpx.Client(base_url=url, timeout=120)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert http.post("/v1/load_lora_adapter",
+                     json={"lora_name": "late", "lora_path": "sql"}).status_code == 200
+    before = client.completions.create(model="late", prompt=PROMPT, max_tokens=8,
+                                       temperature=0).choices[0].text
+    old = serve_actor_pids("LLMReplica")
+    assert len(old) == 2
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        new = serve_actor_pids("LLMReplica")
+        stats = http.get("/debug/replicas").json()["data"] if len(new) == 2 and not set(
+            new) & set(old) else []
+        if len(stats) == 2 and all(r.get("stats") for r in stats):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("the killed replicas were not replaced in 240 s")
+    assert all("late" not in r["stats"].get("lora_adapters", ()) for r in stats)
+    after = client.completions.create(model="late", prompt=PROMPT, max_tokens=8,
+                                      temperature=0).choices[0].text
+    assert after == before
+    holders = [r for r in http.get("/debug/replicas").json()["data"]
+               if "late" in r["stats"].get("lora_adapters", ())]
+    assert len(holders) == 1  # the new replica that took the request read it
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200

@@ -20,18 +20,28 @@ PROMPT = list(range(2000, 2000 + 8 * BLOCK + 3))
 
 
 def load(waiting: int = 0, adapters: tuple[str, ...] = (), draining: bool = False,
-         hashes: list[int] | None = None) -> ReplicaLoad:
+         hashes: list[int] | None = None, running: tuple[str, ...] = (),
+         max_loras: int = 0) -> ReplicaLoad:
     plain = ReplicaLoad(kv_usage=0.1, num_waiting=waiting, num_running=1, num_free_blocks=900,
                         num_total_blocks=1000, step_token_rate=0.0, timestamp=time.time(),
-                        draining=draining)
+                        draining=draining, lora_running=frozenset(running),
+                        max_loras=max_loras)
     return plain.with_adapters(adapters).with_cached_blocks(hashes, BLOCK)
 
 
-def test_the_adapters_held_travel_in_the_routing_stats() -> None:
-    sent = load(adapters=("b", "a")).to_dict()
+def prefer(ranked: list[str], loads: dict[str, ReplicaLoad], adapter: str | None,
+           slack: float) -> list[str]:
+    waiting = {rid: load.num_waiting for rid, load in loads.items()}
+    return prefer_adapter_holders(ranked, loads, waiting, adapter, slack)
+
+
+def test_the_adapters_held_and_running_travel_in_the_routing_stats() -> None:
+    sent = load(adapters=("b", "a"), running=("a",), max_loras=4).to_dict()
     assert sent["lora_adapters"] == ["a", "b"]
-    assert ReplicaLoad.from_dict(sent).lora_adapters == {"a", "b"}
+    got = ReplicaLoad.from_dict(sent)
+    assert got.lora_adapters == {"a", "b"} and got.lora_running == {"a"} and got.max_loras == 4
     assert "lora_adapters" not in load().to_dict()  # nothing held: nothing sent
+    assert "lora_running" not in load().to_dict()
 
 
 def test_the_request_names_its_adapter_positionally_or_by_keyword() -> None:
@@ -41,20 +51,44 @@ def test_the_request_names_its_adapter_positionally_or_by_keyword() -> None:
     assert request_adapter([[1, 2], None, "r", 0, None], {}) is None
 
 
-def test_a_holder_within_the_slack_goes_first() -> None:
+def test_the_least_waiting_holder_within_the_slack_goes_first() -> None:
     loads = {"x": load(0), "y": load(1, ("sql",)), "z": load(0, ("sql",))}
-    assert prefer_adapter_holders(["x", "y", "z"], loads, "sql", 1.0) == ["y", "x", "z"]
-    assert prefer_adapter_holders(["x", "y", "z"], loads, None, 1.0) == ["x", "y", "z"]
+    assert prefer(["x", "y", "z"], loads, "sql", 1.0) == ["z", "x", "y"]
+    assert prefer(["x", "y", "z"], loads, None, 1.0) == ["x", "y", "z"]
+
+
+def test_a_replica_running_the_adapter_goes_before_one_merely_holding_it() -> None:
+    loads = {"x": load(0, ("sql",), max_loras=2),
+             "y": load(1, ("sql",), running=("sql",), max_loras=2)}
+    assert prefer(["x", "y"], loads, "sql", 1.0)[0] == "y"
+
+
+def test_a_holder_whose_slots_all_run_other_adapters_is_passed_over() -> None:
+    """Its request would wait for a slot while those adapters keep getting requests."""
+    full = load(0, ("sql",), running=("a", "b"), max_loras=2)
+    loads = {"full": full, "free": load(1, running=("a",), max_loras=2)}
+    assert full.has_slot_for("a") and not full.has_slot_for("sql")
+    assert prefer(["full", "free"], loads, "sql", 1.0)[0] == "free"
 
 
 def test_a_busy_holder_loses_to_load_so_a_hot_adapter_spreads() -> None:
     loads = {"x": load(0), "y": load(3, ("sql",))}
-    assert prefer_adapter_holders(["x", "y"], loads, "sql", 1.0) == ["x", "y"]
+    assert prefer(["x", "y"], loads, "sql", 1.0) == ["x", "y"]
+    assert prefer(["x", "y"], loads, "sql", 4.0) == ["y", "x"]
+
+
+def test_the_slack_is_measured_from_the_least_waiting_replica_not_the_leader() -> None:
+    """A leader the score put first with a long queue (the routed-work balance keeps a slow
+    replica first) must not let every holder within its queue take the request."""
+    loads = {"leader": load(30), "holder": load(29, ("sql",)), "idle": load(0)}
+    assert prefer(["leader", "holder", "idle"], loads, "sql", 1.0)[0] == "idle"
+    loads["leader"] = load(30, ("sql",))  # even a leader holding the adapter
+    assert prefer(["leader", "holder", "idle"], loads, "sql", 1.0)[0] == "idle"
 
 
 def test_a_draining_holder_is_passed_over() -> None:
     loads = {"x": load(0), "y": load(0, ("sql",), draining=True), "z": load(0, ("sql",))}
-    assert prefer_adapter_holders(["x", "y", "z"], loads, "sql", 1.0)[0] == "z"
+    assert prefer(["x", "y", "z"], loads, "sql", 1.0)[0] == "z"
 
 
 def _pending(args: list, rid: str):  # noqa: ANN202 - a PendingRequest

@@ -171,3 +171,36 @@ def test_an_engine_without_the_adapter_reads_it_from_the_request(
     offline = LLM(str(folders["base"]), dtype="float32", enable_lora=True, max_lora_rank=8,
                   lora_modules=f"qv={folders['root'] / 'qv'}")
     assert got == offline.generate([PROMPT], greedy, lora_name="qv")[0].outputs[0].token_ids
+
+
+
+def test_a_replica_started_after_a_runtime_load_serves_the_adapter(
+        folders: dict[str, Path]) -> None:
+    """Scaling up after a load, narrowed to what a new replica depends on: the ingress's
+    registry. The load reaches the engine running then; an engine started afterwards, which
+    never saw it, then takes the request (pointing the ingress's client at it stands in for
+    Serve routing to a replica the autoscaler added: a Serve scale-up does not fit a fast
+    test here) and serves it with the same tokens, read from the folder the registry gave."""
+    def engine() -> AsyncLLMEngine:
+        return AsyncLLMEngine(EngineConfig.from_kwargs(
+            model=str(folders["base"]), dtype="float32", enable_lora=True, max_lora_rank=8,
+            runtime_lora_root=str(folders["root"])))
+
+    running = engine()
+    client = LocalEngineClient(running)
+    with TestClient(create_app(client, IngressSettings())) as http:
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "late-mlp",
+                                                          "lora_path": "mlp"})
+        assert loaded.status_code == 200, loaded.text
+        before = complete(http, "late-mlp")
+        started_later = engine()
+        client.engine = started_later  # the scale-up: the next request lands there
+        assert started_later.list_loras() == []
+        after = complete(http, "late-mlp")
+        base = complete(http, http.get("/v1/models").json()["data"][0]["id"])
+    running.shutdown()
+    started_later.shutdown()
+    assert before["status"] == after["status"] == 200
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert after["choices"][0]["text"] != base["choices"][0]["text"]
+    assert started_later.list_loras() == ["late-mlp"]

@@ -163,3 +163,18 @@ def test_iterserve_prefers_a_holder_within_the_slack_and_spreads_beyond_it() -> 
     assert choose(IterserveRouter(lora_affinity=False), near) == "r0"
     wide = IterserveRouter(RouterConfig(lora_affinity_slack=8.0))
     assert choose(wide, [dataclasses.replace(v) for v in far]) == "r1"
+
+
+def test_a_replica_reports_the_adapters_running_and_its_slots_for_the_router() -> None:
+    """What `prefer_adapter_holders` reads to keep a request off a replica whose slots all
+    run other adapters (there it would wait for a slot without bound)."""
+    from iterserve.autoscale.sim.simulated_replica import SimulatedReplica
+
+    replica = SimulatedReplica("r0", ClusterSimConfig(lora=LORA), 0.0)
+    for i, adapter in enumerate("abc"):
+        replica.add(request(i, 0.0, adapter, max_tokens=2000), 0.0)
+    load = replica.load(1.0)
+    assert load.max_loras == 2 and load.lora_running == {"a", "b"}
+    assert load.has_slot_for("a") and not load.has_slot_for("c")
+    off = SimulatedReplica("r1", ClusterSimConfig(), 0.0).load(0.0)
+    assert off.max_loras == 0 and off.has_slot_for("c")
