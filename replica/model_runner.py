@@ -22,7 +22,12 @@ from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_by
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.disk_kv_tier import DiskKVTier, block_layout_identity, open_disk_tier
 from iterserve.replica.errors import DeviceFaultError
-from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
+from iterserve.replica.host_kv_tier import (
+    HostKVTier,
+    auto_kv_offloading_gib,
+    host_kv_slots,
+    kv_layout_signature,
+)
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.loader import load_checkpoint, load_dummy, weight_files_of
 from iterserve.replica.lora_manager import LoRAManager
@@ -110,6 +115,11 @@ class ModelRunner:
                     for _ in range(self.model_config.num_hidden_layers)
                 ]
                 stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
+            # What makes a block's bytes what they are besides its tokens: the disk tier's
+            # folder and the layout key of blocks sent to another engine (kv_transfer.py).
+            self.kv_layout_identity = block_layout_identity(  # load_dummy's weights: seed 0
+                repr(self.model_config), None if dummy else weight_files_of(model_path),
+                str(self.dtype), self.block_size, kv_layout_signature(*self.kv_caches[0]))
             # The host KV tier below it (off by default): allocated, not written.
             self.host_tier: HostKVTier | None = None
             if config.cache.kv_offloading_size is not None:
@@ -120,12 +130,9 @@ class ModelRunner:
             # The disk tier below the host tier (off by default): its files, found again.
             self.disk_tier: DiskKVTier | None = None
             if config.cache.kv_offloading_disk_path is not None:
-                identity = block_layout_identity(  # load_dummy's weights: seed 0
-                    repr(self.model_config), None if dummy else weight_files_of(model_path),
-                    str(self.dtype), self.block_size, self.host_tier.layout_signature())
-                self.disk_tier = open_disk_tier(
+                self.disk_tier = open_disk_tier(  # host slots share the caches' layout
                     config.cache.kv_offloading_disk_path, config.cache.kv_offloading_disk_size,
-                    identity, self.host_tier.bytes_per_block)
+                    self.kv_layout_identity, self.host_tier.bytes_per_block)
                 logger.info("disk KV tier: %s, %d blocks (%.2f GiB) found from earlier runs",
                             self.disk_tier.store.directory, len(self.disk_tier),
                             self.disk_tier.used_bytes / 2**30)
