@@ -19,7 +19,7 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
   1. kwargs["params"] / kwargs["sampling_params"] with a `max_tokens` attribute or key
   2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
   3. args[0]["max_tokens"] / args[0].max_tokens
-Missing: only the prompt counts. And `kv_pull_target` (PULL_TARGET_KWARG): a replica id that
+Missing: only the prompt counts. And `route_to_replica` (ROUTE_TO_KWARG): a replica id that
 the call must reach, alone (a prefix pull, deploy/kv_pull.py). And the request's prefix-cache
 namespace (its tenant's salt,
 replica/block_keys.py) from kwargs["cache_namespace"] (bytes; missing: the shared b""), so
@@ -72,9 +72,10 @@ from iterserve.dashboards.metrics import RouterMetrics
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
-# A replica pulling a prefix from a peer (deploy/kv_pull.py) names the peer in this kwarg of
-# its export call, and the router ranks that replica alone (none while it is gone).
-PULL_TARGET_KWARG = "kv_pull_target"
+# A call naming a replica's unique id in this kwarg reaches that replica alone (none while it
+# is gone): a replica pulling a prefix from a peer (deploy/kv_pull.py), a study placing a
+# request where it wants it.
+ROUTE_TO_KWARG = "route_to_replica"
 # With RouterConfig.kv_pull_hints, a generate call gets this kwarg: (the unique id of the
 # replica whose report holds the longest prefix of the prompt, its cached tokens).
 PULL_HINT_KWARG = "kv_pull_hint"
@@ -216,10 +217,6 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             self._sync.ensure_running(self._replica_ids.get)
         if not candidate_replicas:
             return []
-        target = pending_request.kwargs.get(PULL_TARGET_KWARG) if pending_request else None
-        if isinstance(target, str):
-            pending_request.routing_context.should_backoff = True
-            return [[r] for r in candidate_replicas if r.replica_id.unique_id == target]
         # Shuffle first: ties keep candidate order, and independent routers should not all
         # break ties towards the same replica.
         shuffled = list(candidate_replicas)
@@ -244,6 +241,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
             pending_request.routing_context.should_backoff = True
+            target = pending_request.kwargs.get(ROUTE_TO_KWARG)
+            if isinstance(target, str):
+                return [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
         return [[by_id[rid] for rid in group] for group in to_rank_groups(ranked)]
 
     @staticmethod

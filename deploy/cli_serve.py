@@ -182,7 +182,7 @@ def run(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
         return 2
-    if settings.args.kv_pull and args.address is None and (
+    if settings.args.kv_pull != "off" and args.address is None and (
             2 * settings.args.kv_pull_max_bytes > args.object_store_memory):
         print(f"iterserve serve: --kv-pull-max-bytes {settings.args.kv_pull_max_bytes} does not "
               f"fit twice in --object-store-memory {args.object_store_memory}: a pull's chunks "

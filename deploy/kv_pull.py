@@ -7,7 +7,7 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    longer by enough that a pull beats computing
                                    (deploy/kv_pull_cost.py), it calls the holder's
                                    `export_kv_blocks` through a handle to its own deployment
-                                   with `kv_pull_target` naming the holder (the router ranks
+                                   with `route_to_replica` naming the holder (the router ranks
                                    only that replica), within `timeout_s`
     holder (`export_chunks`)       copies the blocks between its engine's steps, a chunk of at
                                    most CHUNK_BYTES per step, and `ray.put`s each chunk
@@ -54,12 +54,13 @@ CHUNK_BYTES = 16 * 2**20
 
 @dataclass(frozen=True)
 class KVPullConfig:
-    """enabled: pull at all; max_bytes: the most KV one pull may move (more: only the
-    leading max_bytes are pulled, the rest computed); timeout_s: the most a pull may add to
-    the request's time to first token before it gives up and computes."""
+    """mode: off, on (pull when the cost rule says it beats computing), always (whenever the
+    holder has more: to measure the pull itself); max_bytes: the most KV one pull may move
+    (more: only the leading max_bytes are pulled, the rest computed); timeout_s: the most a
+    pull may add to the request's time to first token before it gives up and computes."""
 
-    enabled: bool = False
-    max_bytes: int = 256 * 2**20
+    mode: str = "off"
+    max_bytes: int = 64 * 2**20
     timeout_s: float = 2.0
 
 
@@ -109,13 +110,14 @@ class KVPuller:
     export_call: Callable[..., Any]
     record: Callable[[str, int], None]
     bandwidth: BandwidthMeter = field(default_factory=BandwidthMeter)
+    outcomes: dict[str, int] = field(default_factory=dict)  # pulls by outcome, for info()
     _prefill_rate: float | None = None
 
     async def pull(self, token_ids: Sequence[int], namespace: CacheNamespace,
                    hint: PullHint | None) -> str | None:
         """Pull what the hint's holder has beyond this replica's own prefix, when it pays;
         the outcome counted, or None when there is nothing to consider."""
-        if not self.config.enabled or hint is None or hint.holder == self.replica_id:
+        if self.config.mode == "off" or hint is None or hint.holder == self.replica_id:
             return None
         layout = layout_key(self.engine.engine)
         if layout is None or self.engine.engine.block_manager.host is None:
@@ -128,6 +130,7 @@ class KVPuller:
         outcome, nbytes = await self._pull_missing(token_ids, namespace, held, missing,
                                                    layout.bytes_per_block, layout.block_size,
                                                    hint.holder)
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
         self.record(outcome, nbytes)
         return outcome
 
@@ -143,8 +146,9 @@ class KVPuller:
         num_blocks = min(missing, self.config.max_bytes // bytes_per_block)
         if num_blocks <= 0:
             return "too_big", 0
-        if not pull_beats_compute(num_blocks * block_size, num_blocks * bytes_per_block,
-                                  self.bandwidth.bytes_per_s, self._prefill_tokens_per_s()):
+        if self.config.mode != "always" and not pull_beats_compute(
+                num_blocks * block_size, num_blocks * bytes_per_block,
+                self.bandwidth.bytes_per_s, self._prefill_tokens_per_s()):
             return "not_worth", 0
         start = time.monotonic()
         try:

@@ -38,13 +38,15 @@ def pull_beats_compute(num_tokens: int, num_bytes: int, bandwidth_bytes_per_s: f
 
 @dataclass
 class BandwidthMeter:
-    """The object store's bandwidth as pulls measured it (bytes over each whole pull's
-    seconds, latency included: an underestimate, which errs towards computing)."""
+    """The object store's bandwidth as pulls measured it: bytes over each pull's seconds
+    beyond the fixed latency (a pull slower to start than PULL_LATENCY_S reads as a lower
+    bandwidth, which errs towards computing)."""
 
     bytes_per_s: float = ASSUMED_BANDWIDTH_BYTES_PER_S
 
     def record(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes <= 0 or seconds <= 0:
+        moving = seconds - PULL_LATENCY_S
+        if num_bytes <= 0 or moving <= 0:
             return
-        observed = num_bytes / seconds
+        observed = num_bytes / moving
         self.bytes_per_s += BANDWIDTH_WEIGHT * (observed - self.bytes_per_s)

@@ -24,7 +24,7 @@ from typing import Any
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from iterserve.autoscale.router import PULL_TARGET_KWARG
+from iterserve.autoscale.router import ROUTE_TO_KWARG
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
@@ -161,11 +161,13 @@ class LLMReplica:
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
                        kv_pull_hint: tuple[str, int] | None = None,
+                       route_to_replica: str | None = None,
                        ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
         """Stream one request's deltas; early close (disconnect) aborts it. cache_namespace:
         the prefix-cache namespace its blocks live in (its tenant's; replica/block_keys.py).
         kv_pull_hint: the router's (replica id, cached tokens) of the replica holding the
-        longest prefix of the prompt, pulled from first when that pays (deploy/kv_pull.py)."""
+        longest prefix of the prompt, pulled from first when that pays (deploy/kv_pull.py).
+        route_to_replica: the replica the caller placed it on (the router's business)."""
         self._num_requests += 1
         await self._puller.pull(
             prompt_token_ids,
@@ -185,12 +187,12 @@ class LLMReplica:
 
     async def export_kv_blocks(self, prefix_token_ids: list[int],
                                cache_namespace: CacheNamespace, first_block: int,
-                               max_bytes: int, kv_pull_target: str | None = None,
+                               max_bytes: int, route_to_replica: str | None = None,
                                ) -> list[Any]:
         """A peer pulls the prompt's cached blocks from first_block on (at most max_bytes):
         object refs of KVBlockPayload chunks, copied between this engine's steps.
-        kv_pull_target: this replica's id, which made the router pick it (checked)."""
-        if kv_pull_target not in (None, self._replica_id):
+        route_to_replica: this replica's id, which made the router pick it (checked)."""
+        if route_to_replica not in (None, self._replica_id):
             return []  # reached another replica than named: its blocks are not the hint's
         return await export_chunks(self.engine, prefix_token_ids, cache_namespace,
                                    first_block, max_bytes)
@@ -199,12 +201,12 @@ class LLMReplica:
                            namespace: CacheNamespace, first_block: int,
                            max_bytes: int) -> list[Any]:
         """Call export_kv_blocks on the replica `holder` through this deployment's handle
-        (the router ranks only the replica that kv_pull_target names)."""
+        (the router ranks only the replica that route_to_replica names)."""
         if self._peers is None:
             context = serve.get_replica_context()
             self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
         return await self._peers.export_kv_blocks.remote(
-            token_ids, namespace, first_block, max_bytes, **{PULL_TARGET_KWARG: holder})
+            token_ids, namespace, first_block, max_bytes, **{ROUTE_TO_KWARG: holder})
 
     def _record_pull(self, outcome: str, nbytes: int) -> None:
         if self._stat_logger is not None:
@@ -225,10 +227,12 @@ class LLMReplica:
         if not self.engine.is_healthy:
             raise RuntimeError("the engine loop is not running")
 
-    def info(self) -> dict[str, Any]:
-        """Model, resolved engine config and live stats (the ingress and tests read it)."""
+    def info(self, route_to_replica: str | None = None) -> dict[str, Any]:
+        """Model, resolved engine config and live stats (the ingress and tests read it);
+        route_to_replica: the replica the caller asked (the router's business)."""
         extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
-                 "num_cancelled": self._num_cancelled, "startup": self._startup}
+                 "num_cancelled": self._num_cancelled, "startup": self._startup,
+                 "kv_pulls": dict(self._puller.outcomes)}
         return describe_engine(self.engine, extra)
 
     async def device_idle(self) -> dict[str, dict[str, float]] | None:

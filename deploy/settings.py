@@ -147,12 +147,13 @@ class AppArgs(BaseModel):
     metrics_prefix: MetricPrefix = Field(
         DEFAULT_PREFIX, description="metric names: iterserve's, vLLM's exact names (vllm:), "
         "or promtool-clean (iterserve_)")
-    kv_pull: bool = Field(
-        False, description="a replica that misses a prompt's prefix pulls it from the replica "
-        "whose report holds it, through Ray's object store, when that beats computing it; "
-        "needs kv_offloading_size (the blocks land in the host KV tier) and a kv router")
+    kv_pull: Literal["off", "on", "always"] = Field(
+        "off", description="on: a replica that misses a prompt's prefix pulls it from the "
+        "replica whose report holds it, through Ray's object store, when the cost rule says "
+        "that beats computing it; always: whenever a peer holds more (to measure the pull "
+        "itself); needs kv_offloading_size (the blocks land in the host KV tier) and a kv router")
     kv_pull_max_bytes: int = Field(
-        256 * 2**20, ge=1, description="the most KV bytes one pull moves (a longer prefix: "
+        64 * 2**20, ge=1, description="the most KV bytes one pull moves (a longer prefix: "
         "its leading part is pulled, the rest computed); keep it under half the object store")
     kv_pull_timeout_s: float = Field(
         2.0, gt=0, description="the most a pull may add to a request's time to first token; "
@@ -252,8 +253,8 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
         router = RouterConfig(model_name=model_name,
                               prefix_affinity=app_args.router == "kv-prefix",
                               prefix_block_size=engine.cache.block_size,
-                              kv_pull_hints=app_args.kv_pull)
-    if app_args.kv_pull:
+                              kv_pull_hints=app_args.kv_pull != "off")
+    if app_args.kv_pull != "off":
         _check_kv_pull(engine, router)
     autoscale = None
     if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
