@@ -111,6 +111,12 @@ class KVPuller:
     record: Callable[[str, int], None]
     bandwidth: BandwidthMeter = field(default_factory=BandwidthMeter)
     outcomes: dict[str, int] = field(default_factory=dict)  # pulls by outcome, for info()
+    bytes_received: int = 0
+    tokens_received: int = 0
+    # Seconds spent per phase of the pulls: the holder's export call (until its refs), reading
+    # the chunks out of the object store, importing them on this engine's thread.
+    phase_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("export", "fetch", "import"), 0.0))
     _prefill_rate: float | None = None
 
     async def pull(self, token_ids: Sequence[int], namespace: CacheNamespace,
@@ -131,6 +137,8 @@ class KVPuller:
                                                    layout.bytes_per_block, layout.block_size,
                                                    hint.holder)
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        self.bytes_received += nbytes
+        self.tokens_received += nbytes // layout.bytes_per_block * layout.block_size
         self.record(outcome, nbytes)
         return outcome
 
@@ -173,12 +181,21 @@ class KVPuller:
                                 ) -> tuple[int, int]:
         """(blocks imported, bytes received): each chunk imported as it arrives, so a pull
         cut short keeps the leading blocks that did arrive."""
+        clock = time.perf_counter()
         refs = await self.export_call(holder, list(token_ids), namespace, first_block,
                                       max_bytes)
+        clock = self._phase("export", clock)
         taken = nbytes = 0
         for ref in refs:
             payload: KVBlockPayload = await ref
+            clock = self._phase("fetch", clock)
             taken += await self.engine.call(
                 lambda e, chunk=payload: import_blocks(e, token_ids, namespace, chunk))
+            clock = self._phase("import", clock)
             nbytes += payload.nbytes
         return taken, nbytes
+
+    def _phase(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now

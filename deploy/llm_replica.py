@@ -232,7 +232,10 @@ class LLMReplica:
         route_to_replica: the replica the caller asked (the router's business)."""
         extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
                  "num_cancelled": self._num_cancelled, "startup": self._startup,
-                 "kv_pulls": dict(self._puller.outcomes)}
+                 "kv_pulls": dict(self._puller.outcomes),
+                 "kv_pulled": {"bytes": self._puller.bytes_received,
+                               "tokens": self._puller.tokens_received,
+                               "seconds": dict(self._puller.phase_seconds)}}
         return describe_engine(self.engine, extra)
 
     async def device_idle(self) -> dict[str, dict[str, float]] | None:

@@ -123,6 +123,11 @@ class HostKVTier:
             rows += [block_major(host_k)[slot], block_major(host_v)[slot]]
         return [row.reshape(-1).view(torch.uint8) for row in rows]
 
+    def wait_for_copies(self) -> None:
+        """On CUDA, until the side stream's copies have landed (slots read directly)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def read_slot(self, slot: int) -> bytes:
         """The slot's bytes (every layer's K and V block, in order), for the disk tier. On
         CUDA the side stream's copies are waited for first: a store may still be landing."""

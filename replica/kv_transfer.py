@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
 from iterserve.replica.block_keys import (
@@ -48,9 +49,9 @@ from iterserve.replica.block_keys import (
     namespaced,
     num_cacheable_blocks,
 )
-from iterserve.replica.block_manager import host_hit
+from iterserve.replica.block_manager import host_hit, host_slot
 from iterserve.replica.host_kv_index import HostEntry
-from iterserve.replica.host_kv_tier import HostKVTier
+from iterserve.replica.host_kv_tier import block_major
 
 if TYPE_CHECKING:
     from iterserve.replica.llm_engine import LLMEngine
@@ -180,12 +181,35 @@ def export_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheN
         hits.append(hit)
     kv = np.empty((len(hits), layout.bytes_per_block), dtype=np.uint8)
     runner = engine.runner
-    for row, hit in enumerate(hits):
-        data = (HostKVTier.read_device_block(runner.kv_caches, hit) if hit >= 0
-                else runner.host_tier.read_slot(-1 - hit))
-        kv[row] = np.frombuffer(data, dtype=np.uint8)
+    rows = torch.from_numpy(kv)  # the same memory
+    on_device = [row for row, hit in enumerate(hits) if hit >= 0]
+    in_host = [row for row, hit in enumerate(hits) if hit < 0]
+    if on_device:
+        _gather(runner.kv_caches, [hits[row] for row in on_device], rows, on_device)
+    if in_host:
+        tier = runner.host_tier
+        tier.wait_for_copies()
+        _gather(list(zip(tier.keys, tier.values, strict=True)),
+                [host_slot(hits[row]) for row in in_host], rows, in_host)
     stable = tuple(block.stable for block in chain[first_block : first_block + len(hits)])
     return KVBlockPayload(layout, namespace, first_block, stable, kv)
+
+
+def _gather(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: list[int],
+            out: torch.Tensor, rows: list[int]) -> None:
+    """Blocks `blocks` of per-layer (K, V) tensors into rows `rows` of out ([n, bytes] uint8
+    on the host), each row in read_slot's order: every layer's K block, then its V block.
+    One gather per layer and tensor for all the blocks, not one per block."""
+    index = torch.tensor(blocks, dtype=torch.long, device=layers[0][0].device)
+    gathered = torch.empty((len(blocks), out.shape[1]), dtype=torch.uint8)
+    offset = 0
+    for keys, values in layers:
+        for cache in (keys, values):
+            picked = block_major(cache).index_select(0, index).reshape(len(blocks), -1)
+            width = picked.shape[1] * picked.element_size()
+            gathered[:, offset : offset + width].copy_(picked.view(torch.uint8))
+            offset += width
+    out.index_copy_(0, torch.tensor(rows, dtype=torch.long), gathered)
 
 
 def import_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheNamespace,
