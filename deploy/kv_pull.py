@@ -35,6 +35,7 @@ from ray.serve.exceptions import RayServeException
 
 from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
 from iterserve.replica.block_keys import CacheNamespace
+from iterserve.replica.errors import EngineError
 from iterserve.replica.kv_transfer import (
     KVBlockPayload,
     KVTransferRefused,
@@ -129,7 +130,10 @@ class KVPuller:
         if layout is None or self.engine.engine.block_manager.host is None:
             return None
         chain = prompt_chain(token_ids, namespace, layout.block_size)
-        held = await self.engine.call(lambda e: num_held_blocks(e, chain))
+        try:
+            held = await self.engine.call(lambda e: num_held_blocks(e, chain))
+        except EngineError:  # a dead engine: the request itself reports it, no pull
+            return None
         missing = min(len(chain), hint.cached_tokens // layout.block_size) - held
         if missing <= 0:
             return None
@@ -168,7 +172,8 @@ class KVPuller:
         except KVTransferRefused as error:
             logger.warning("a pull from %s refused: %s", holder, error)
             return "refused", 0
-        except (RayError, RayServeException, OSError) as error:  # a holder gone, a full store
+        except (RayError, RayServeException, OSError, EngineError) as error:
+            # a holder gone, a full object store, this engine stopped meanwhile
             logger.info("a pull from %s failed, computing instead: %r", holder, error)
             return "failed", 0
         self.bandwidth.record(nbytes, time.monotonic() - start)

@@ -169,10 +169,11 @@ class LLMReplica:
         longest prefix of the prompt, pulled from first when that pays (deploy/kv_pull.py).
         route_to_replica: the replica the caller placed it on (the router's business)."""
         self._num_requests += 1
-        await self._puller.pull(
-            prompt_token_ids,
-            with_adapter(cache_namespace, lora_request.name if lora_request else None),
-            PullHint.parse(kv_pull_hint))
+        if params.prompt_logprobs is None:  # else every prompt position is computed anyway
+            await self._puller.pull(
+                prompt_token_ids,
+                with_adapter(cache_namespace, lora_request.name if lora_request else None),
+                PullHint.parse(kv_pull_hint))
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
                                cache_namespace, lora_request, tenant)
         complete = False
