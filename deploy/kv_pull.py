@@ -96,6 +96,8 @@ async def export_chunks(engine: Any, token_ids: Sequence[int], namespace: CacheN
         refs.append(await asyncio.to_thread(ray.put, payload))
         sent += payload.nbytes
         first_block += payload.num_blocks
+        if payload.num_blocks < budget // payload.layout.bytes_per_block:
+            break  # the chain ended here: asking again would only wait for another step
     return refs
 
 
