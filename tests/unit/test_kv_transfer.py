@@ -122,3 +122,28 @@ def test_blocks_evicted_to_the_holders_host_tier_are_exported_from_there(
     assert payload.num_blocks == PROMPT_BLOCKS
     assert import_blocks(receiver, tokens, b"", payload) == PROMPT_BLOCKS
     assert run(receiver, tokens) == (computed, PROMPT_BLOCKS * BLOCK)
+
+
+def test_imports_that_push_host_blocks_to_disk_spill_their_bytes_first(
+        model_path: str, tmp_path: object) -> None:
+    """The receiver's host tier is full (another prompt's and fillers' blocks): the import
+    evicts some to the disk tier, whose spills read the old bytes before the import's land,
+    and every prompt still gets its computed tokens."""
+    holder = engine(model_path)
+    receiver = engine(model_path, kv_offloading_size=8 * 2 * 4 * BLOCK * 4 * 32 * 4 / 2**30,
+                      kv_offloading_disk_path=str(tmp_path))
+    tokens, other = prompt(), prompt(5)
+    computed, _ = run(holder, tokens)
+    other_computed, _ = run(receiver, other)
+    for seed in range(8):  # the other prompt's blocks leave the device for the host tier
+        run(receiver, prompt(200 + seed))
+    payload = export_blocks(holder, tokens, b"", 0, ALL)
+    host = receiver.block_manager.host
+    evicted = host.num_evicted
+    assert import_blocks(receiver, tokens, b"", payload) == PROMPT_BLOCKS
+    assert host.num_evicted == evicted + PROMPT_BLOCKS  # the tier was full: spilled to disk
+    assert run(receiver, tokens) == (computed, PROMPT_BLOCKS * BLOCK)
+    receiver.runner.disk_tier.flush()
+    again, cached = run(receiver, other)
+    assert again == other_computed and cached > 0
+    assert receiver.block_manager.disk_hits > 0
