@@ -19,6 +19,10 @@ class RouterConfig(BaseModel):
 
     # The served model's name: the `model_name` label of the router's metrics.
     model_name: str = "iterserve"
+    # deploy/kv_pull.py: set from AppArgs.kv_pull, the one switch of prefix pulls.
+    kv_pull_hints: bool = Field(
+        False, description="write into each generate call which replica holds the longest "
+        "prefix of its prompt, so the replica it lands on may pull that prefix from there.")
     kv_high_watermark: float = Field(
         0.90, gt=0.0, le=1.0,
         description="KV usage at or above which a replica is 'hot' and ranked last.",

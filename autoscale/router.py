@@ -19,7 +19,9 @@ KV footprint (prompt + max_tokens) for the watermark check, from (first match wi
   1. kwargs["params"] / kwargs["sampling_params"] with a `max_tokens` attribute or key
   2. args[1] with a `max_tokens` attribute or key (deploy's generate(ids, params, rid))
   3. args[0]["max_tokens"] / args[0].max_tokens
-Missing: only the prompt counts. And the request's prefix-cache namespace (its tenant's salt,
+Missing: only the prompt counts. And `route_to_replica` (ROUTE_TO_KWARG): a replica id that
+the call must reach, alone (a prefix pull, deploy/kv_pull.py). And the request's prefix-cache
+namespace (its tenant's salt,
 replica/block_keys.py) from kwargs["cache_namespace"] (bytes; missing: the shared b""), so
 its prompt is looked up in the replicas' reports, and its affinity keyed, in that namespace
 only. And its LoRA adapter (kwargs["lora_request"] or args[4], an object with a
@@ -74,6 +76,13 @@ from iterserve.dashboards.metrics import RouterMetrics
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
+# A call naming a replica's unique id in this kwarg reaches that replica alone (none while it
+# is gone): a replica pulling a prefix from a peer (deploy/kv_pull.py), a study placing a
+# request where it wants it.
+ROUTE_TO_KWARG = "route_to_replica"
+# With RouterConfig.kv_pull_hints, a generate call gets this kwarg: (the unique id of the
+# replica whose report holds the longest prefix of the prompt, its cached tokens).
+PULL_HINT_KWARG = "kv_pull_hint"
 # Requests chosen for but not yet routed whose cache answers are kept (Serve routes a
 # request soon after choosing; more than this pending at once are charged their whole prompt).
 MAX_REMEMBERED_HITS = 4096
@@ -235,11 +244,27 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
                                             waiting, adapter, self.config.lora_affinity_slack)
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
+            if self.config.kv_pull_hints:
+                self._hint_holder(pending_request, cached)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
             pending_request.routing_context.should_backoff = True
+            target = pending_request.kwargs.get(ROUTE_TO_KWARG)
+            if isinstance(target, str):
+                return [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
         return [[by_id[rid] for rid in group] for group in to_rank_groups(ranked)]
+
+    @staticmethod
+    def _hint_holder(pending_request: PendingRequest, cached: dict[ReplicaID, int]) -> None:
+        """Tell a generate call which replica holds the longest prefix of its prompt:
+        wherever Serve sends it, that replica may pull the prefix from there instead of
+        computing it (route here, pull from there)."""
+        if pending_request.metadata.call_method != "generate" or not cached:
+            return
+        holder, tokens = max(cached.items(), key=lambda item: item[1])
+        if tokens > 0:
+            pending_request.kwargs[PULL_HINT_KWARG] = (holder.unique_id, tokens)
 
     def on_request_routed(
         self,

@@ -110,6 +110,8 @@ LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters"
 # A router sync exchange: done; done but some peer events were dropped before this router
 # read them; or the hub could not be reached.
 SYNC_OUTCOMES = ("ok", "lost", "failed")
+KV_PULL_OUTCOMES = ("pulled", "partial", "not_worth", "too_big", "evicted", "refused",
+                    "timeout", "failed")
 _ENGINE_LABELS = (LABEL_MODEL, LABEL_REPLICA)
 
 # vLLM's bucket edges (seconds).
@@ -226,6 +228,14 @@ REPLICA_STARTUP_BYTES_COPIED = _gauge(
     "memory (dequantised or converted weights, parameters, oneDNN's packed copies, the zeroed "
     "KV cache).",
     labels=(*_ENGINE_LABELS, LABEL_STAGE), vllm=False)
+KV_PULLS = _counter(
+    "kv_pulls", "Prefix pulls this replica considered or made from another replica's KV, by "
+    "outcome (KV_PULL_OUTCOMES): pulled, partial, not_worth, too_big, evicted, refused, "
+    "timeout, failed; every outcome but pulled and partial computes the prefix.",
+    labels=(*_ENGINE_LABELS, LABEL_OUTCOME), vllm=False)
+KV_PULL_BYTES = _counter(
+    "kv_pull_bytes", "KV bytes this replica received from other replicas' caches.",
+    vllm=False)
 # Per tenant, counted by the ingress (dashboards/tenant_metrics.py bounds the label's values).
 LABEL_TENANT = "tenant"
 _TENANT_LABELS = (LABEL_MODEL, LABEL_TENANT)
@@ -253,7 +263,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     REQUEST_TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME,
     REQUEST_DECODE_TIME, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
-    REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED,
+    REPLICA_STARTUP_SECONDS, REPLICA_STARTUP_BYTES_COPIED, KV_PULLS, KV_PULL_BYTES,
 )
 ALL_METRICS: tuple[MetricSpec, ...] = (
     *ENGINE_METRICS, ROUTER_DECISIONS, ROUTER_SYNC_EXCHANGES, AUTOSCALER_TARGET_REPLICAS,
@@ -324,6 +334,9 @@ class PrometheusStatLogger:
         for reason in FINISH_REASONS:
             self._sink.counter_inc(REQUEST_SUCCESS, 0.0, self._reason_labels(reason))
         self._kv_tiers.create_series()
+        for outcome in KV_PULL_OUTCOMES:
+            self._sink.counter_inc(KV_PULLS, 0.0, {**self._labels, LABEL_OUTCOME: outcome})
+        self._sink.counter_inc(KV_PULL_BYTES, 0.0, self._labels)
 
     def _reason_labels(self, reason: str) -> dict[str, str]:
         return {**self._labels, LABEL_FINISHED_REASON: reason}
@@ -394,6 +407,13 @@ class PrometheusStatLogger:
             labels = {**self._labels, LABEL_STAGE: stage}
             self._sink.gauge_set(REPLICA_STARTUP_SECONDS, record["seconds"], labels)
             self._sink.gauge_set(REPLICA_STARTUP_BYTES_COPIED, record["bytes_copied"], labels)
+
+    def record_kv_pull(self, outcome: str, nbytes: int) -> None:
+        """One prefix pull (deploy/kv_pull.py) by its outcome, and the bytes it received."""
+        if outcome not in KV_PULL_OUTCOMES:
+            raise ValueError(f"pull outcome must be one of {KV_PULL_OUTCOMES}, got {outcome!r}")
+        self._sink.counter_inc(KV_PULLS, 1.0, {**self._labels, LABEL_OUTCOME: outcome})
+        self._sink.counter_inc(KV_PULL_BYTES, float(nbytes), self._labels)
 
     def close(self) -> None:
         """Call when the replica stops: its live gauges leave the shared metrics folder."""

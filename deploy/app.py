@@ -16,6 +16,7 @@ from ray.serve import Application
 from iterserve.autoscale.autoscaling_policy import serve_autoscaling_config
 from iterserve.autoscale.router import request_router_config_dict
 from iterserve.deploy.ingress import OpenAIIngress
+from iterserve.deploy.kv_pull import KVPullConfig
 from iterserve.deploy.llm_replica import SHUTDOWN_SLACK_S, LLMReplica
 from iterserve.deploy.settings import AppArgs, AppSettings, coerce_engine_kwargs, resolve_app
 from iterserve.deploy.tool_calls import ToolSettings
@@ -67,8 +68,10 @@ def build_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> App
     if app_args.max_queued_requests is not None:
         replica_options["max_queued_requests"] = app_args.max_queued_requests
     replica_options.update(routing_and_scaling_options(settings))
+    kv_pull = KVPullConfig(app_args.kv_pull, app_args.kv_pull_max_bytes,
+                           app_args.kv_pull_timeout_s)
     replica = LLMReplica.options(**replica_options).bind(
-        settings.engine, settings.drain_timeout_s, app_args.metrics_prefix)
+        settings.engine, settings.drain_timeout_s, app_args.metrics_prefix, kv_pull)
     return OpenAIIngress.options(num_replicas=app_args.num_ingress_replicas,
                                  graceful_shutdown_timeout_s=graceful_shutdown_s).bind(
         replica,

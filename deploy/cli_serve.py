@@ -41,7 +41,8 @@ APP_FLAGS = ("model", "num_replicas", "router", "min_replicas", "max_replicas",
              "max_queued_requests", "hold_timeout_s", "num_gpus_per_replica", "num_cpus_per_replica",
              "num_ingress_replicas", "api_key_file", "tenant_cache_isolation", "max_body_bytes",
              "drain_timeout_s", "max_replicas_per_node", "metrics_prefix", "chat_template",
-             "tool_call_parser")
+             "tool_call_parser", "kv_pull", "kv_pull_max_bytes", "kv_pull_timeout_s")
+OBJECT_STORE_BYTES = 256 * 2**20  # the embedded Ray's default object store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: start an embedded local Ray")
     parser.add_argument("--ray-num-cpus", type=int, default=None,
                         help="logical CPUs of the embedded Ray (default: max(2, cores))")
+    parser.add_argument("--object-store-memory", type=int, default=OBJECT_STORE_BYTES,
+                        metavar="BYTES",
+                        help="bytes of the embedded Ray's object store (shared memory): prefix "
+                             "pulls (--kv-pull) travel through it, so give it at least twice "
+                             "--kv-pull-max-bytes")
     parser.add_argument("--detach", action="store_true",
                         help="with --address: deploy and exit instead of staying attached")
     parser.add_argument("--simulate", action="store_true",
@@ -159,7 +165,7 @@ def start_ray(args: argparse.Namespace, autoscale: AutoscaleConfig | None) -> st
         logging.ERROR)
     # address="local": a fresh cluster of our own, never one a `ray start` left on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="iterserve",
-             object_store_memory=256 * 1024**2, log_to_driver=False,
+             object_store_memory=args.object_store_memory, log_to_driver=False,
              logging_level=logging.WARNING)
     return metrics_dir
 
@@ -176,6 +182,12 @@ def run(argv: list[str]) -> int:
         settings = resolve_app(app_args_from(args))
     except (ValueError, FileNotFoundError) as error:
         print(f"iterserve serve: {error}", file=sys.stderr)
+        return 2
+    if settings.args.kv_pull != "off" and args.address is None and (
+            2 * settings.args.kv_pull_max_bytes > args.object_store_memory):
+        print(f"iterserve serve: --kv-pull-max-bytes {settings.args.kv_pull_max_bytes} does not "
+              f"fit twice in --object-store-memory {args.object_store_memory}: a pull's chunks "
+              f"sit in the store while they are read", file=sys.stderr)
         return 2
     from ray import serve
 

@@ -24,10 +24,12 @@ from typing import Any
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from iterserve.autoscale.router import ROUTE_TO_KWARG
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
-from iterserve.replica.block_keys import CacheNamespace
+from iterserve.deploy.kv_pull import KVPullConfig, KVPuller, PullHint, export_chunks
+from iterserve.replica.block_keys import CacheNamespace, with_adapter
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
 from iterserve.replica.lora_adapter import LoRARequest
@@ -114,8 +116,10 @@ class LLMReplica:
 
     async def __init__(self, engine_config: EngineConfig,
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                       metrics_prefix: str | None = None) -> None:
-        """engine_config: resolved once by the deployment (deploy/settings.py)."""
+                       metrics_prefix: str | None = None,
+                       kv_pull: KVPullConfig | None = None) -> None:
+        """engine_config: resolved once by the deployment (deploy/settings.py); kv_pull:
+        whether and how this replica pulls cached prefixes from its peers (default: off)."""
         started = time.monotonic()
         startup = StartupRecorder()
         # This module (torch with it) was imported when Ray unpickled the class: in a pooled
@@ -141,6 +145,9 @@ class LLMReplica:
         self._num_cancelled = 0  # streams closed before their end (disconnects)
         self._cache_report: dict[str, list[int]] | None = None  # the last per-tier block hashes
         self._closed = False
+        self._peers: Any = None  # a handle to this deployment, made at the first pull
+        self._puller = KVPuller(self.engine, kv_pull or KVPullConfig(), self._replica_id,
+                                self._export_from, self._record_pull)
         logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
 
     @staticmethod
@@ -153,10 +160,20 @@ class LLMReplica:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
+                       kv_pull_hint: tuple[str, int] | None = None,
+                       route_to_replica: str | None = None,
                        ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
         """Stream one request's deltas; early close (disconnect) aborts it. cache_namespace:
-        the prefix-cache namespace its blocks live in (its tenant's; replica/block_keys.py)."""
+        the prefix-cache namespace its blocks live in (its tenant's; replica/block_keys.py).
+        kv_pull_hint: the router's (replica id, cached tokens) of the replica holding the
+        longest prefix of the prompt, pulled from first when that pays (deploy/kv_pull.py).
+        route_to_replica: the replica the caller placed it on (the router's business)."""
         self._num_requests += 1
+        if params.prompt_logprobs is None:  # else every prompt position is computed anyway
+            await self._puller.pull(
+                prompt_token_ids,
+                with_adapter(cache_namespace, lora_request.name if lora_request else None),
+                PullHint.parse(kv_pull_hint))
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
                                cache_namespace, lora_request, tenant)
         complete = False
@@ -168,6 +185,33 @@ class LLMReplica:
             if not complete:
                 self._num_cancelled += 1
             await stream.aclose()
+
+    async def export_kv_blocks(self, prefix_token_ids: list[int],
+                               cache_namespace: CacheNamespace, first_block: int,
+                               max_bytes: int, route_to_replica: str | None = None,
+                               ) -> list[Any]:
+        """A peer pulls the prompt's cached blocks from first_block on (at most max_bytes):
+        object refs of KVBlockPayload chunks, copied between this engine's steps.
+        route_to_replica: this replica's id, which made the router pick it (checked)."""
+        if route_to_replica not in (None, self._replica_id):
+            return []  # reached another replica than named: its blocks are not the hint's
+        return await export_chunks(self.engine, prefix_token_ids, cache_namespace,
+                                   first_block, max_bytes)
+
+    async def _export_from(self, holder: str, token_ids: list[int],
+                           namespace: CacheNamespace, first_block: int,
+                           max_bytes: int) -> list[Any]:
+        """Call export_kv_blocks on the replica `holder` through this deployment's handle
+        (the router ranks only the replica that route_to_replica names)."""
+        if self._peers is None:
+            context = serve.get_replica_context()
+            self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        return await self._peers.export_kv_blocks.remote(
+            token_ids, namespace, first_block, max_bytes, **{ROUTE_TO_KWARG: holder})
+
+    def _record_pull(self, outcome: str, nbytes: int) -> None:
+        if self._stat_logger is not None:
+            self._stat_logger.record_kv_pull(outcome, nbytes)
 
     async def lora_adapter(self, action: str, name: str, path: str | None = None
                            ) -> EngineErrorInfo | None:
@@ -184,10 +228,15 @@ class LLMReplica:
         if not self.engine.is_healthy:
             raise RuntimeError("the engine loop is not running")
 
-    def info(self) -> dict[str, Any]:
-        """Model, resolved engine config and live stats (the ingress and tests read it)."""
+    def info(self, route_to_replica: str | None = None) -> dict[str, Any]:
+        """Model, resolved engine config and live stats (the ingress and tests read it);
+        route_to_replica: the replica the caller asked (the router's business)."""
         extra = {"replica_id": self._replica_id, "num_requests": self._num_requests,
-                 "num_cancelled": self._num_cancelled, "startup": self._startup}
+                 "num_cancelled": self._num_cancelled, "startup": self._startup,
+                 "kv_pulls": dict(self._puller.outcomes),
+                 "kv_pulled": {"bytes": self._puller.bytes_received,
+                               "tokens": self._puller.tokens_received,
+                               "seconds": dict(self._puller.phase_seconds)}}
         return describe_engine(self.engine, extra)
 
     async def device_idle(self) -> dict[str, dict[str, float]] | None:

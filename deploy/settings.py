@@ -147,6 +147,17 @@ class AppArgs(BaseModel):
     metrics_prefix: MetricPrefix = Field(
         DEFAULT_PREFIX, description="metric names: iterserve's, vLLM's exact names (vllm:), "
         "or promtool-clean (iterserve_)")
+    kv_pull: Literal["off", "on", "always"] = Field(
+        "off", description="on: a replica that misses a prompt's prefix pulls it from the "
+        "replica whose report holds it, through Ray's object store, when the cost rule says "
+        "that beats computing it; always: whenever a peer holds more (to measure the pull "
+        "itself); needs kv_offloading_size (the blocks land in the host KV tier) and a kv router")
+    kv_pull_max_bytes: int = Field(
+        64 * 2**20, ge=1, description="the most KV bytes one pull moves (a longer prefix: "
+        "its leading part is pulled, the rest computed); keep it under half the object store")
+    kv_pull_timeout_s: float = Field(
+        2.0, gt=0, description="the most a pull may add to a request's time to first token; "
+        "past it the request computes its prefix")
     chat_template: str | None = Field(None, description="chat template replacing the "
                                       "model's: tool_chatml, tool_llama3_json or a .jinja file")
     tool_call_parser: str | None = Field(None, description="how tool calls are read from "
@@ -241,7 +252,10 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
     if app_args.request_router_config is None and app_args.router != "pow2":
         router = RouterConfig(model_name=model_name,
                               prefix_affinity=app_args.router == "kv-prefix",
-                              prefix_block_size=engine.cache.block_size)
+                              prefix_block_size=engine.cache.block_size,
+                              kv_pull_hints=app_args.kv_pull != "off")
+    if app_args.kv_pull != "off":
+        _check_kv_pull(engine, router)
     autoscale = None
     if app_args.autoscaling_config is None and app_args.num_replicas == "auto":
         autoscale = AutoscaleConfig(model_name=model_name, min_replicas=app_args.min_replicas,
@@ -250,6 +264,16 @@ def resolve_app(args: dict[str, Any] | AppArgs | AppSettings | None = None) -> A
                                     startup_s=app_args.startup_s)
     return AppSettings(app_args, engine, router, autoscale, actor_options,
                        _drain_timeout_s(app_args, engine))
+
+
+def _check_kv_pull(engine: EngineConfig, router: RouterConfig | None) -> None:
+    """Prefix pulls need somewhere to land and someone to say where the prefix is."""
+    if engine.cache.kv_offloading_size is None:
+        raise ValueError("kv_pull needs kv_offloading_size: pulled blocks land in the host KV "
+                         "tier, from where the engine copies them to the device")
+    if router is None or not router.use_replica_cache_reports:
+        raise ValueError("kv_pull needs the kv or kv-prefix router with replica cache reports: "
+                         "it says which replica holds a prompt's prefix")
 
 
 def _drain_timeout_s(app_args: AppArgs, engine: EngineConfig) -> float:

@@ -61,6 +61,13 @@ def block_major(cache: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def kv_layout_signature(keys: torch.Tensor, values: torch.Tensor) -> str:
+    """How a block's bytes are laid out in one layer's K and V tensors (shape past the block
+    dimension, strides, dtype): the same for the device caches and the host slots made like
+    them, so an engine without a host tier names the layout its blocks travel in too."""
+    return ";".join(f"{tuple(t.shape[1:])}/{t.stride()}/{t.dtype}" for t in (keys, values))
+
+
 class HostKVTier:
     def __init__(self, num_slots: int, like: Sequence[KVCache]) -> None:
         """num_slots blocks per layer, shaped and strided like the device caches `like`."""
@@ -82,12 +89,6 @@ class HostKVTier:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.bytes_per_block
-
-    def layout_signature(self) -> str:
-        """How a block's bytes are laid out in a slot (shape and strides of K and V), part of
-        the disk tier's key: another layout never reads these bytes."""
-        return ";".join(f"{tuple(t.shape[1:])}/{t.stride()}/{t.dtype}"
-                        for t in (self.keys[0], self.values[0]))
 
     def _slots_like(self, cache: torch.Tensor, num_slots: int) -> torch.Tensor:
         """[num_slots, B, Hkv, D] on the host with the cache's strides (block-major in both
@@ -121,6 +122,11 @@ class HostKVTier:
         for host_k, host_v in zip(self.keys, self.values, strict=True):
             rows += [block_major(host_k)[slot], block_major(host_v)[slot]]
         return [row.reshape(-1).view(torch.uint8) for row in rows]
+
+    def wait_for_copies(self) -> None:
+        """On CUDA, until the side stream's copies have landed (slots read directly)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def read_slot(self, slot: int) -> bytes:
         """The slot's bytes (every layer's K and V block, in order), for the disk tier. On

@@ -10,8 +10,7 @@ whose files are found again by the layout identity of the blocks they hold.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from iterserve.replica.attention_metadata import AttentionMetadata
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
-from iterserve.replica.disk_kv_tier import DiskKVTier, block_layout_identity, open_disk_tier
+from iterserve.replica.disk_kv_tier import DiskKVTier, open_disk_tier
 from iterserve.replica.host_kv_tier import HostKVTier, auto_kv_offloading_gib, host_kv_slots
 
 logger = logging.getLogger(__name__)
@@ -112,20 +111,18 @@ def open_host_tier(config: EngineConfig, device: torch.device, kv_caches: KVCach
     return tier
 
 
-def open_disk_kv_tier(config: EngineConfig, model_config: Any,  # noqa: ANN401
-                      weight_files: Sequence[Path] | None, dtype: torch.dtype,
+def open_disk_kv_tier(config: EngineConfig, layout_identity: str,
                       host_tier: HostKVTier | None) -> DiskKVTier | None:
-    """The disk tier below the host tier (None: off, the default), its files found again.
-    `weight_files` None: dummy weights (load_dummy's, seed 0)."""
+    """The disk tier below the host tier (None: off, the default), its files found again
+    under `layout_identity` (the runner's: model, weights, dtype, block size, K/V layout;
+    host slots share the device caches' layout)."""
     cache = config.cache
     if cache.kv_offloading_disk_path is None:
         return None
     if host_tier is None:
         raise ValueError("kv_offloading_disk_path needs kv_offloading_size (the host tier)")
-    identity = block_layout_identity(repr(model_config), weight_files, str(dtype),
-                                     cache.block_size, host_tier.layout_signature())
     tier = open_disk_tier(cache.kv_offloading_disk_path, cache.kv_offloading_disk_size,
-                          identity, host_tier.bytes_per_block)
+                          layout_identity, host_tier.bytes_per_block)
     logger.info("disk KV tier: %s, %d blocks (%.2f GiB) found from earlier runs",
                 tier.store.directory, len(tier), tier.used_bytes / 2**30)
     return tier

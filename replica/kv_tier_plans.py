@@ -80,6 +80,7 @@ class KVTierPlans:
         self.host_hits = 0  # prompt tokens found there
         self.disk_queries = 0  # prompt tokens the device and the host missed
         self.disk_hits = 0  # prompt tokens read back from disk
+        self.kv_blocks_received = 0  # blocks another engine sent into the host tier
         # With a disk tier: per request, the stable hash of its last registered block.
         self.stable_chains: dict[str, int] = {}
         self.block_origins: list[BlockOrigin | None] | None = (
@@ -133,6 +134,30 @@ class KVTierPlans:
         if self.host is not None:
             self.host.unpin_all()
         return stores, loads
+
+    def receive_block(self, entry: HostEntry, payload: bytes) -> bool:
+        """A block another engine sent (replica/kv_transfer.py) joins the host tier: its bytes
+        are written into a host slot before the next step's loads, as a disk promotion's are,
+        and a prompt's lookup then copies it to the device like any host hit. The slot stays
+        pinned until that step is planned. False when no slot can be had (nothing changes)."""
+        if not self.host.can_store():
+            return False
+        slot = self.host.store(entry)
+        if slot is None:
+            return False
+        self.host.pin(slot)
+        self._written_slots[slot] = None  # not spilled from a device block if evicted
+        self.kv_disk_loads.append((slot, payload))
+        return True
+
+    def has_landed(self, hit: int) -> bool:
+        """Whether a prefix hit's bytes are in place now, between steps: False for a device
+        block or host slot whose planned copy waits for a step that has not run."""
+        if hit >= 0:
+            return all(block != hit for _, block in self.kv_loads)
+        slot = host_slot(hit)
+        return (all(written != slot for _, written in self.kv_stores)
+                and all(written != slot for written, _ in self.kv_disk_loads))
 
     # ------------------------------------------------------------------------------ disk
     def stable_hash_of(self, hit: int) -> int:

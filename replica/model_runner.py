@@ -19,7 +19,9 @@ from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
+from iterserve.replica.disk_kv_tier import block_layout_identity
 from iterserve.replica.errors import DeviceFaultError
+from iterserve.replica.host_kv_tier import kv_layout_signature
 from iterserve.replica.input_batch import PreparedInputs, prepare_inputs
 from iterserve.replica.kv_space import (
     decide_num_blocks,
@@ -117,11 +119,14 @@ class ModelRunner:
                     for _ in range(self.model_config.num_hidden_layers)
                 ]
                 stage.copied(sum(k.nbytes + v.nbytes for k, v in self.kv_caches))  # zeroed
+            # What makes a block's bytes what they are besides its tokens: the disk tier's
+            # folder and the layout key of blocks sent to another engine (kv_transfer.py).
+            self.kv_layout_identity = block_layout_identity(  # load_dummy's weights: seed 0
+                repr(self.model_config), None if dummy else weight_files_of(model_path),
+                str(self.dtype), self.block_size, kv_layout_signature(*self.kv_caches[0]))
             self.host_tier = open_host_tier(config, self.device, self.kv_caches,
                                             self.kv_bytes_per_block)
-            self.disk_tier = open_disk_kv_tier(
-                config, self.model_config, None if dummy else weight_files_of(model_path),
-                self.dtype, self.host_tier)
+            self.disk_tier = open_disk_kv_tier(config, self.kv_layout_identity, self.host_tier)
         if self.cpu_attention is not None:
             with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
                 mc = self.model_config

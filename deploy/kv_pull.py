@@ -1,0 +1,208 @@
+"""A replica pulls a prompt's cached prefix from the replica that holds it, through Ray's
+object store, instead of computing it (the transfer itself: replica/kv_transfer.py).
+
+    router (autoscale/router.py)   writes a hint into the request: the replica whose report
+                                   holds the longest prefix of the prompt, and how many tokens
+    receiver (`KVPuller.pull`)     counts the prefix it holds itself; when the holder's is
+                                   longer by enough that a pull beats computing
+                                   (deploy/kv_pull_cost.py), it calls the holder's
+                                   `export_kv_blocks` through a handle to its own deployment
+                                   with `route_to_replica` naming the holder (the router ranks
+                                   only that replica), within `timeout_s`
+    holder (`export_chunks`)       copies the blocks between its engine's steps, a chunk of at
+                                   most CHUNK_BYTES per step, and `ray.put`s each chunk
+    receiver                       reads the chunks' refs and imports each into its host tier,
+                                   from where the engine's onboarding copies them to the device
+
+Anything short of success (a timeout, a holder that died, evicted the blocks, or runs another
+layout, a pull bigger than `max_bytes`) leaves the request to compute its prefix: a pull only
+ever adds blocks whose stable hashes match the prompt, so it cannot change a token. Every
+pull's outcome is counted (`kv_pulls{outcome}`, `kv_pull_bytes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
+
+from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
+from iterserve.replica.block_keys import CacheNamespace
+from iterserve.replica.errors import EngineError
+from iterserve.replica.kv_transfer import (
+    KVBlockPayload,
+    KVTransferRefused,
+    export_blocks,
+    import_blocks,
+    layout_key,
+    num_held_blocks,
+    prompt_chain,
+)
+
+logger = logging.getLogger(__name__)
+
+# The most bytes the holder copies between two of its steps: its batch waits for one
+# chunk's copy at a time (~10 ms at memory speed), however long the prefix.
+CHUNK_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class KVPullConfig:
+    """mode: off, on (pull when the cost rule says it beats computing), always (whenever the
+    holder has more: to measure the pull itself); max_bytes: the most KV one pull may move
+    (more: only the leading max_bytes are pulled, the rest computed); timeout_s: the most a
+    pull may add to the request's time to first token before it gives up and computes."""
+
+    mode: str = "off"
+    max_bytes: int = 64 * 2**20
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class PullHint:
+    holder: str
+    cached_tokens: int
+
+    @classmethod
+    def parse(cls, hint: object) -> PullHint | None:
+        """The router's hint as it crossed the handle, or None when absent or malformed."""
+        if (isinstance(hint, (tuple, list)) and len(hint) == 2 and isinstance(hint[0], str)
+                and isinstance(hint[1], int)):
+            return cls(hint[0], hint[1])
+        return None
+
+
+async def export_chunks(engine: Any, token_ids: Sequence[int], namespace: CacheNamespace,  # noqa: ANN401
+                        first_block: int, max_bytes: int) -> list[ray.ObjectRef]:
+    """The holder's side: the prompt's blocks from first_block on, at most max_bytes, as
+    object refs of KVBlockPayload chunks; each chunk is copied on the engine thread between
+    two steps and put into the object store off it. Empty: it holds none of them now."""
+    refs: list[ray.ObjectRef] = []
+    sent = 0
+    while sent < max_bytes:
+        budget = min(CHUNK_BYTES, max_bytes - sent)
+        payload: KVBlockPayload | None = await engine.call(
+            lambda e, first=first_block, budget=budget: export_blocks(
+                e, token_ids, namespace, first, budget))
+        if payload is None or payload.num_blocks == 0:
+            break
+        refs.append(await asyncio.to_thread(ray.put, payload))
+        sent += payload.nbytes
+        first_block += payload.num_blocks
+        if payload.num_blocks < budget // payload.layout.bytes_per_block:
+            break  # the chain ended here: asking again would only wait for another step
+    return refs
+
+
+@dataclass
+class KVPuller:
+    """The receiver's side, one per replica. `export_call(holder, token_ids, namespace,
+    first_block, max_bytes)` reaches the holder's export_kv_blocks and returns its refs;
+    `record(outcome, nbytes)` counts each pull."""
+
+    engine: Any
+    config: KVPullConfig
+    replica_id: str
+    export_call: Callable[..., Any]
+    record: Callable[[str, int], None]
+    bandwidth: BandwidthMeter = field(default_factory=BandwidthMeter)
+    outcomes: dict[str, int] = field(default_factory=dict)  # pulls by outcome, for info()
+    bytes_received: int = 0
+    tokens_received: int = 0
+    # Seconds spent per phase of the pulls: the holder's export call (until its refs), reading
+    # the chunks out of the object store, importing them on this engine's thread.
+    phase_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("export", "fetch", "import"), 0.0))
+    _prefill_rate: float | None = None
+
+    async def pull(self, token_ids: Sequence[int], namespace: CacheNamespace,
+                   hint: PullHint | None) -> str | None:
+        """Pull what the hint's holder has beyond this replica's own prefix, when it pays;
+        the outcome counted, or None when there is nothing to consider."""
+        if self.config.mode == "off" or hint is None or hint.holder == self.replica_id:
+            return None
+        layout = layout_key(self.engine.engine)
+        if layout is None or self.engine.engine.block_manager.host is None:
+            return None
+        chain = prompt_chain(token_ids, namespace, layout.block_size)
+        try:
+            held = await self.engine.call(lambda e: num_held_blocks(e, chain))
+        except EngineError:  # a dead engine: the request itself reports it, no pull
+            return None
+        missing = min(len(chain), hint.cached_tokens // layout.block_size) - held
+        if missing <= 0:
+            return None
+        outcome, nbytes = await self._pull_missing(token_ids, namespace, held, missing,
+                                                   layout.bytes_per_block, layout.block_size,
+                                                   hint.holder)
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        self.bytes_received += nbytes
+        self.tokens_received += nbytes // layout.bytes_per_block * layout.block_size
+        self.record(outcome, nbytes)
+        return outcome
+
+    def _prefill_tokens_per_s(self) -> float | None:
+        rate = self.engine.stats().prefill_token_rate
+        if rate > 0:
+            self._prefill_rate = rate  # an idle replica reports 0: keep the last measured
+        return self._prefill_rate
+
+    async def _pull_missing(self, token_ids: Sequence[int], namespace: CacheNamespace,
+                            held: int, missing: int, bytes_per_block: int, block_size: int,
+                            holder: str) -> tuple[str, int]:
+        num_blocks = min(missing, self.config.max_bytes // bytes_per_block)
+        if num_blocks <= 0:
+            return "too_big", 0
+        if self.config.mode != "always" and not pull_beats_compute(
+                num_blocks * block_size, num_blocks * bytes_per_block,
+                self.bandwidth.bytes_per_s, self._prefill_tokens_per_s()):
+            return "not_worth", 0
+        start = time.monotonic()
+        try:
+            taken, nbytes = await asyncio.wait_for(
+                self._fetch_and_import(token_ids, namespace, held, num_blocks * bytes_per_block,
+                                       holder), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            return "timeout", 0
+        except KVTransferRefused as error:
+            logger.warning("a pull from %s refused: %s", holder, error)
+            return "refused", 0
+        except (RayError, RayServeException, OSError, EngineError) as error:
+            # a holder gone, a full object store, this engine stopped meanwhile
+            logger.info("a pull from %s failed, computing instead: %r", holder, error)
+            return "failed", 0
+        self.bandwidth.record(nbytes, time.monotonic() - start)
+        if taken == 0:
+            return "evicted", 0
+        return ("pulled" if taken >= min(missing, num_blocks) else "partial"), nbytes
+
+    async def _fetch_and_import(self, token_ids: Sequence[int], namespace: CacheNamespace,
+                                first_block: int, max_bytes: int, holder: str
+                                ) -> tuple[int, int]:
+        """(blocks imported, bytes received): each chunk imported as it arrives, so a pull
+        cut short keeps the leading blocks that did arrive."""
+        clock = time.perf_counter()
+        refs = await self.export_call(holder, list(token_ids), namespace, first_block,
+                                      max_bytes)
+        clock = self._phase("export", clock)
+        taken = nbytes = 0
+        for ref in refs:
+            payload: KVBlockPayload = await ref
+            clock = self._phase("fetch", clock)
+            taken += await self.engine.call(
+                lambda e, chunk=payload: import_blocks(e, token_ids, namespace, chunk))
+            clock = self._phase("import", clock)
+            nbytes += payload.nbytes
+        return taken, nbytes
+
+    def _phase(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now

@@ -1,0 +1,99 @@
+"""The router's side of prefix pulls (autoscale/router.py), built by hand with no Ray
+processes: a generate call is told which replica holds its prompt's longest prefix, and a call
+naming a replica in `route_to_replica` reaches that replica alone. And the pull's cost rule
+(deploy/kv_pull_cost.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from block_hash_oracle import prompt_block_hashes
+from test_router_cache_reports import BLOCK, PROMPT, _FakeReplica, _pending, _router, load
+
+from iterserve.autoscale.router import PULL_HINT_KWARG, ROUTE_TO_KWARG
+from iterserve.deploy.kv_pull import PullHint
+from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
+
+
+def _replicas() -> list[_FakeReplica]:
+    holder = _FakeReplica("holder", load(prompt_block_hashes(PROMPT, BLOCK)).to_dict())
+    return [holder, _FakeReplica("other", load([]).to_dict())]
+
+
+def _generate_call(prompt: list[int], rid: str, **kwargs: object):  # noqa: ANN202
+    pending = _pending(prompt, rid)
+    pending.metadata.call_method = "generate"
+    pending.kwargs.update(kwargs)
+    return pending
+
+
+def test_a_generate_call_is_told_which_replica_holds_its_prefix() -> None:
+    router, replicas = _router(kv_pull_hints=True), _replicas()
+    pending = _generate_call(PROMPT, "r1")
+    asyncio.run(router.choose_replicas(replicas, pending))
+    assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)
+    assert PullHint.parse(pending.kwargs[PULL_HINT_KWARG]) == PullHint("holder", 40 * BLOCK)
+    assert PullHint.parse(["holder", "many"]) is None
+    other_call = _pending(PROMPT, "r2")  # not a generate call: no hint
+    asyncio.run(router.choose_replicas(replicas, other_call))
+    assert PULL_HINT_KWARG not in other_call.kwargs
+    quiet = _router()  # hints off (kv_pull off): nothing written
+    pending = _generate_call(PROMPT, "r3")
+    asyncio.run(quiet.choose_replicas(replicas, pending))
+    assert PULL_HINT_KWARG not in pending.kwargs
+
+
+def test_a_call_routed_to_a_replica_reaches_it_alone_or_nothing() -> None:
+    router, replicas = _router(kv_pull_hints=True), _replicas()
+    for target in ("other", "holder"):
+        pending = _generate_call(PROMPT, f"to-{target}", **{ROUTE_TO_KWARG: target})
+        ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [[target]]
+        assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)
+    gone = _generate_call(PROMPT, "gone", **{ROUTE_TO_KWARG: "a-dead-replica"})
+    assert asyncio.run(router.choose_replicas(replicas, gone)) == []
+    assert gone.routing_context.should_backoff
+
+
+def test_a_pull_pays_when_its_bytes_move_faster_than_the_tokens_compute() -> None:
+    # 1000 tokens of SmolLM2's fp32 KV (46 KB each) at 1 GB/s: 0.02 + 0.046 s
+    assert pull_beats_compute(1000, 46_000_000, 1e9, prefill_tokens_per_s=2000.0)
+    assert not pull_beats_compute(1000, 46_000_000, 1e9, prefill_tokens_per_s=50_000.0)
+    assert pull_beats_compute(16, 1000, 1e9, prefill_tokens_per_s=None)  # not measured: try
+    assert not pull_beats_compute(0, 0, 1e9, prefill_tokens_per_s=None)
+    meter = BandwidthMeter(bytes_per_s=1e9)
+    meter.record(100_000_000, 0.02 + 1.0)  # 100 MB moved in 1 s beyond the latency
+    assert 1e8 < meter.bytes_per_s < 1e9
+    before = meter.bytes_per_s
+    meter.record(10, 0.001)  # quicker than the fixed latency: says nothing about bandwidth
+    assert meter.bytes_per_s == before
+
+
+def test_kv_pull_settings_reach_the_router_and_the_replicas_or_are_refused() -> None:
+    from iterserve.deploy.app import build_app, resolve_app
+    from iterserve.deploy.kv_pull import KVPullConfig
+
+    args = {"model": "iterserve-tiny", "kv_offloading_size": 0.01, "kv_pull": "on",
+            "kv_pull_max_bytes": 2**20, "kv_pull_timeout_s": 0.5}
+    settings = resolve_app(args)
+    assert settings.router.kv_pull_hints
+    replica = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+    assert replica.init_args[3] == KVPullConfig("on", 2**20, 0.5)
+    assert not resolve_app({"model": "iterserve-tiny"}).router.kv_pull_hints
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        resolve_app({"model": "iterserve-tiny", "kv_pull": "on"})
+    with pytest.raises(ValueError, match="router"):
+        resolve_app({**args, "router": "pow2"})
+    with pytest.raises(ValueError):
+        resolve_app({**args, "kv_pull": "sometimes"})
+
+
+def test_serve_refuses_pulls_that_cannot_fit_its_object_store(capsys: pytest.CaptureFixture
+                                                               ) -> None:
+    from iterserve.deploy import cli_serve
+
+    argv = ["--model", "iterserve-tiny", "--kv-offloading-size", "0.01", "--kv-pull", "on",
+            "--kv-pull-max-bytes", str(200 * 2**20)]
+    assert cli_serve.run(argv) == 2  # before Ray starts: the default store is 256 MiB
+    assert "does not fit twice in --object-store-memory" in capsys.readouterr().err
