@@ -14,11 +14,11 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray")
-from conftest import SMALL_ENGINE, serve_app  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX  # noqa: E402
 from ray.serve._private.constants import SERVE_NAMESPACE  # noqa: E402
@@ -68,10 +68,11 @@ def _pulls(handle: serve.handle.DeploymentHandle, replica: str) -> dict[str, int
     return handle.info.remote(route_to_replica=replica).result()["kv_pulls"]
 
 
-def test_a_replica_pulls_a_peers_prefix_and_computes_when_the_peer_dies() -> None:
-    args = {**SMALL_ENGINE, "num_replicas": 2, "router": "kv", "kv_offloading_size": 0.01,
+def test_a_replica_pulls_a_peers_prefix_and_computes_when_the_peer_dies(
+        integration: Any) -> None:  # noqa: ANN401
+    args = {**integration.SMALL_ENGINE, "num_replicas": 2, "router": "kv", "kv_offloading_size": 0.01,
             "kv_pull": "always", "kv_pull_timeout_s": 5.0}
-    with serve_app(args):
+    with integration.serve_app(args):
         handle = serve.get_deployment_handle("LLMReplica", APP_NAME)
         holder, receiver = _replica_ids(handle)
         prompt = _prompt(1)
