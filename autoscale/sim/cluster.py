@@ -49,8 +49,8 @@ import math
 import random
 from collections.abc import Callable, Hashable, Sequence
 
-from iterserve.autoscale.autoscaling_policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.cluster_controller import TICK, ServeController
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.itl import ItlCounter
 from iterserve.autoscale.sim.kv_pull import KVPulls, PullPlan
@@ -81,11 +81,11 @@ from iterserve.autoscale.sim.state import (
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.request import Request
 
-ARRIVE, WAKE, POLL, PUSH, TICK, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
-    range(10)
+ARRIVE, WAKE, POLL, PUSH, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
+    range(TICK + 1, TICK + 10)  # the event kinds besides the controller's
 
 
-class ClusterSim:
+class ClusterSim(ServeController):
     """One run; use `simulate`."""
 
     def __init__(self, workload: Sequence[WorkloadRequest], routers: Sequence[RoutingPolicy],
@@ -422,53 +422,6 @@ class ClusterSim:
         # so a long autoscaled run does not hold every stopped replica's prefix cache.
         self.prefix_cache.remove_replica(slot.replica_id)
         self._record_counts()
-
-    # ------------------------------------------------------------------ autoscaling
-    def _on_tick(self, _: object) -> None:
-        signals = {}
-        for slot in self.slots:
-            if slot.state == RUNNING and slot.samples:
-                n = len(slot.samples)
-                signals[slot.replica_id] = ReplicaSignal(
-                    kv_usage=sum(s[1] for s in slot.samples) / n,
-                    num_waiting=sum(s[2] for s in slot.samples) / n,
-                    num_running=sum(s[3] for s in slot.samples) / n)
-        ctx = ScalingContext(now=self.now, current_replicas=self._count(RUNNING),
-                             target_replicas=self.target, signals=signals,
-                             queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
-        desired = self.autoscaler.desired_replicas(ctx)
-        if desired < 1 and ctx.queued_at_handles > 0 and not any(
-                s.state in (RUNNING, STARTING) for s in self.slots):
-            # Serve's controller asks for a replica before any custom policy runs: a policy
-            # here must do the same (the requests would wait forever, and so would this loop)
-            raise ValueError(f"autoscaler {self.autoscaler.name!r} keeps 0 replicas while "
-                             f"{ctx.queued_at_handles:.0f} requests wait at the routers")
-        if desired > self.target:
-            for _ in range(desired - self.target):
-                self._start_slot(ready_at=self.now + self.config.startup_delay_s)
-            self._replicas_changed()
-        elif desired < self.target:
-            self._scale_down(self.target - desired)
-        self.target = desired
-        self._push(self.now + self.config.autoscale_interval_s, TICK, None)
-
-    def _scale_down(self, count: int) -> None:
-        """Cancel starting replicas first (newest first), then drain the least busy."""
-        starting = [s for s in self.slots if s.state == STARTING][::-1]
-        running = sorted((s for s in self.slots if s.state == RUNNING),
-                         key=lambda s: (s.ongoing, -self.slots.index(s)))
-        for slot in (starting + running)[:count]:
-            if slot.state == STARTING:
-                self._stop(slot)
-                continue
-            slot.state = DRAINING
-            self._free = None
-            self.published.pop(slot.replica_id, None)
-            for router in self.routers:
-                router.drop_view(slot.replica_id)
-            if slot.ongoing == 0:
-                self._stop(slot)
-        self._replicas_changed()
 
     # ----------------------------------------------------------------------- result
     def _result(self) -> SimResult:
