@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
+from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.autoscale.sim.cluster import simulate
 from iterserve.autoscale.sim.config import ClusterSimConfig
@@ -19,6 +21,7 @@ from iterserve.autoscale.sim.kv_pull import (
     pull_fraction,
     worth_pulling,
 )
+from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 from iterserve.autoscale.sim.shapes import make
 from iterserve.autoscale.sim.simulated_replica import SimulatedReplica
 from iterserve.autoscale.sim.workload import WorkloadRequest
@@ -56,6 +59,35 @@ def test_the_router_credits_a_light_replica_with_what_a_pull_from_the_holder_sav
     partial = credit_pulls({"a": 1000, "b": 400}, {"a": 1000, "b": 400}, {"a": 1000, "b": 400},
                            ["a", "b"], lambda rid, n: 0.5)
     assert partial == {"a": 1000, "b": 700}
+
+
+def _load(num_waiting: int) -> ReplicaLoad:
+    return ReplicaLoad(kv_usage=0.3, num_waiting=num_waiting, num_running=8,
+                       num_free_blocks=1000, num_total_blocks=2000, step_token_rate=0.0,
+                       timestamp=0.0, prefill_token_rate=34000.0,
+                       queued_prefill_tokens=num_waiting * 4096)
+
+
+def _picks(pulls: SimKVPulls | None, holder_waiting: int) -> set[object]:
+    """Where the router sends a 4k-token prompt that only "holder" caches, "light" idle."""
+    prompt = list(range(4097))
+    views = [ReplicaView("holder", _load(holder_waiting)), ReplicaView("light", _load(0))]
+    picks = set()
+    for i in range(10):  # every shuffle of the two
+        ctx = RoutingContext(RouteRequest(f"q{i}", prompt, 16, 0.0), views, 0.0, 16,
+                             prefix_cache=lambda p, ids: {"holder": 4096})
+        picks.add(IterserveRouter(kv_pulls=pulls).choose(ctx, random.Random(i)))
+    return picks
+
+
+def test_the_pull_aware_router_routes_past_a_busy_holder_when_a_pull_is_cheaper() -> None:
+    # an idle holder keeps its prefix's requests, pulls or not
+    assert _picks(SimKVPulls(), 0) == _picks(None, 0) == {"holder"}
+    # one request waiting there: queuing behind it costs more than pulling 4k tokens at
+    # 12.5 GB/s (43 ms) to the idle replica; blind to pulls (or at 1 GB/s, slower than
+    # computing) the router stays with the holder
+    assert _picks(SimKVPulls(), 1) == {"light"}
+    assert _picks(None, 1) == _picks(SimKVPulls(network_gb_s=1.0), 1) == {"holder"}
 
 
 def _finished_prefix(replica: SimulatedReplica, prompt: list[int], now: float) -> float:
