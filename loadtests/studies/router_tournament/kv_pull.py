@@ -17,8 +17,11 @@ Workloads: multi-turn (and multi-tenant) with the device KV cut to 2,048 blocks 
 tier cells, and Mooncake's conversation trace at the default device KV. Every GPU and
 network figure is simulated (cost model, tier and network assumptions), nothing measured.
 
-    python -m iterserve.loadtests.studies.router_tournament.kv_pull --jobs 2 \\
+    python -m iterserve.loadtests.studies.router_tournament.kv_pull --jobs 1 \\
         --trace conversation_trace.jsonl --out loadtests/studies/router_tournament/results/kv_pull.json
+
+A trace cell holds ~7.5 GB (eight or 32 replicas' caches and tier indexes): on a 24 GiB
+machine run the trace with --jobs 1 (the study README has the commands as run).
 """
 
 from __future__ import annotations
