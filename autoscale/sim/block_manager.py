@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.kv_tiers import DiskTier, TierCopies
+from iterserve.replica.block_hashes import ROOT
 from iterserve.replica.block_keys import (
     ROOT_HASH,
     BlockHash,
@@ -260,6 +261,34 @@ class SimBlockManager(BlockManager):
                     self.block_origins[block_id] = (parent, chunk)
             registered[rid] = (end, key)
         return len(requests)
+
+    def land_blocks(self, chain: Sequence[tuple[BlockHash, BlockHash, BlockTokens]]) -> int:
+        """Blocks pulled from another replica (sim/kv_pull.py) join the prefix cache as a
+        finished request's computed blocks do: free, findable, the most recently used, the
+        chain's tail evicted first. The chain's blocks already cached are kept (held while
+        the others are taken, so that taking evicts none of them); the rest take free
+        blocks in order while any is free. Returns how many blocks were written."""
+        cached, keys = self.cached_blocks, self.block_keys
+        held: list[int] = []
+        written = 0
+        for key, parent, chunk in chain:
+            block_id = cached.get(key)
+            if block_id is None:
+                if not self.free_pool.num_free:
+                    break  # every block is in use: the rest is computed
+                block_id = self._take_free(1)[0]
+                keys[block_id] = key
+                cached[key] = block_id
+                if self.cache_listener is not None:
+                    self.cache_listener.stored(key, parent, chunk)
+                if self.block_origins is not None:  # what a host tier keeps of it
+                    self.block_origins[block_id] = (parent, chunk, ROOT)
+                written += 1
+            else:
+                self._take_hit(block_id)
+            held.append(block_id)
+        self.free_pool.release(*self._unreference(held, [], []))
+        return written
 
     def append_blocks(self, request_ids: Sequence[str]) -> None:
         """One more block each for these requests, in order: what `allocate(request, n)`

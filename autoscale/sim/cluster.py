@@ -49,10 +49,11 @@ import math
 import random
 from collections.abc import Callable, Hashable, Sequence
 
-from iterserve.autoscale.autoscaling_policy import ReplicaSignal, ScalingContext
 from iterserve.autoscale.signals import ReplicaLoad
+from iterserve.autoscale.sim.cluster_controller import TICK, ServeController
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.itl import ItlCounter
+from iterserve.autoscale.sim.kv_pull import KVPulls, PullPlan
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
 from iterserve.autoscale.sim.lora import adapter_loads
 from iterserve.autoscale.sim.prefix import ClusterPrefixCache, PromptBlockKeys
@@ -80,10 +81,11 @@ from iterserve.autoscale.sim.state import (
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.request import Request
 
-ARRIVE, WAKE, POLL, PUSH, TICK, READY, PEER_ROUTED, PEER_COMPLETED = range(8)
+ARRIVE, WAKE, POLL, PUSH, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
+    range(TICK + 1, TICK + 10)  # the event kinds besides the controller's
 
 
-class ClusterSim:
+class ClusterSim(ServeController):
     """One run; use `simulate`."""
 
     def __init__(self, workload: Sequence[WorkloadRequest], routers: Sequence[RoutingPolicy],
@@ -119,6 +121,8 @@ class ClusterSim:
         self.prefix_cache = ClusterPrefixCache(self.prompt_keys)
         self._prefix_tiers = self.prefix_cache.tiers if config.kv_tiers is not None else None
         self.packed_prefixes = PackedPrefixes()
+        self.pulls = None if config.kv_pulls is None else KVPulls(
+            config.kv_pulls, config.sim.cost, config.sim.kv_bytes_per_token, config.block_size)
         self.published: dict[str, ReplicaLoad] = {}
         self.itl = ItlCounter()
         self.replicas_over_time: list[tuple[float, int, int, int]] = []
@@ -145,7 +149,8 @@ class ClusterSim:
         next_report = progress_every_s if progress is not None else math.inf
         handlers = {ARRIVE: self._on_arrive, WAKE: self._on_wake, POLL: self._on_poll,
                     PUSH: self._on_push, TICK: self._on_tick, READY: self._on_ready,
-                    PEER_ROUTED: self._on_peer_routed, PEER_COMPLETED: self._on_peer_completed}
+                    PEER_ROUTED: self._on_peer_routed, PEER_COMPLETED: self._on_peer_completed,
+                    PULL_READ: self._on_pull_read, PULL_LANDED: self._on_pull_landed}
         workload, events = self.workload, self.events
         num_routers = len(self.routers)
         while self.num_open > 0:
@@ -264,11 +269,15 @@ class ClusterSim:
         if sync is not None:  # what the replica must prefill, as its peers will hear it
             prefill = len(spec.prompt_token_ids) - slot.replica.cached_prefix_tokens(
                 spec.prompt_token_ids)
-        try:
-            slot.replica.add(spec, self.now)
-        except ValueError:  # can never fit this replica: rejected, as the engine would
-            self.num_open -= 1
-            return True
+        pull = self._plan_pull(spec, slot) if self.pulls is not None else None
+        if pull is not None:  # it reaches the replica once the blocks have (sim/kv_pull.py)
+            self._push(self.now + self.config.kv_pulls.pull_latency_s, PULL_READ, pull)
+        else:
+            try:
+                slot.replica.add(spec, self.now)
+            except ValueError:  # can never fit this replica: rejected, as the engine would
+                self.num_open -= 1
+                return True
         record.routed, record.replica = self.now, slot.replica_id
         self.prefix_cache.routed(slot.replica_id, spec.prompt_token_ids, spec.max_tokens,
                                  spec.output_token_id)
@@ -295,6 +304,37 @@ class ClusterSim:
         for router in self.routers:
             if router.index != origin:
                 router.policy.on_completed(request_id, replica_id, self.now)
+
+    # ------------------------------------------------------------------ KV pulls
+    def _plan_pull(self, spec: WorkloadRequest, slot: ReplicaSlot) -> PullPlan | None:
+        live = {s.replica_id: s.replica for s in self.slots if s.state in (RUNNING, DRAINING)}
+        prompt = spec.prompt_token_ids
+        answers = self._prefix_tiers(prompt, list(live)) if self._prefix_tiers is not None \
+            else {rid: [n] for rid, n in self.prefix_cache(prompt, list(live)).items()}
+        return self.pulls.plan(spec, slot.replica, answers, live)
+
+    def _on_pull_read(self, pull: PullPlan) -> None:
+        holder = self._slot_by_id[pull.holder]
+        if holder.state in (RUNNING, DRAINING):
+            self._touch(holder)  # its cache as it is now: it may have evicted them meanwhile
+        wire_s = self.pulls.read(pull, holder.replica if holder.state in (RUNNING, DRAINING)
+                                 else None)
+        if wire_s is None:  # failed: the request computes the prefix
+            self._arrive_pulled(pull)
+        else:
+            self._push(self.now + wire_s, PULL_LANDED, pull)
+
+    def _on_pull_landed(self, pull: PullPlan) -> None:
+        slot = self._slot_by_id[pull.receiver]
+        self._touch(slot)
+        self.pulls.land(pull, slot.replica)
+        self._arrive_pulled(pull)
+
+    def _arrive_pulled(self, pull: PullPlan) -> None:
+        slot = self._slot_by_id[pull.receiver]  # in flight there: it did not stop
+        self._touch(slot)
+        slot.replica.add(pull.spec, self.now)
+        self._schedule_wake(slot)
 
     def _view(self, router: RouterState, slot: ReplicaSlot) -> ReplicaView:
         rid = slot.replica_id
@@ -383,53 +423,6 @@ class ClusterSim:
         self.prefix_cache.remove_replica(slot.replica_id)
         self._record_counts()
 
-    # ------------------------------------------------------------------ autoscaling
-    def _on_tick(self, _: object) -> None:
-        signals = {}
-        for slot in self.slots:
-            if slot.state == RUNNING and slot.samples:
-                n = len(slot.samples)
-                signals[slot.replica_id] = ReplicaSignal(
-                    kv_usage=sum(s[1] for s in slot.samples) / n,
-                    num_waiting=sum(s[2] for s in slot.samples) / n,
-                    num_running=sum(s[3] for s in slot.samples) / n)
-        ctx = ScalingContext(now=self.now, current_replicas=self._count(RUNNING),
-                             target_replicas=self.target, signals=signals,
-                             queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
-        desired = self.autoscaler.desired_replicas(ctx)
-        if desired < 1 and ctx.queued_at_handles > 0 and not any(
-                s.state in (RUNNING, STARTING) for s in self.slots):
-            # Serve's controller asks for a replica before any custom policy runs: a policy
-            # here must do the same (the requests would wait forever, and so would this loop)
-            raise ValueError(f"autoscaler {self.autoscaler.name!r} keeps 0 replicas while "
-                             f"{ctx.queued_at_handles:.0f} requests wait at the routers")
-        if desired > self.target:
-            for _ in range(desired - self.target):
-                self._start_slot(ready_at=self.now + self.config.startup_delay_s)
-            self._replicas_changed()
-        elif desired < self.target:
-            self._scale_down(self.target - desired)
-        self.target = desired
-        self._push(self.now + self.config.autoscale_interval_s, TICK, None)
-
-    def _scale_down(self, count: int) -> None:
-        """Cancel starting replicas first (newest first), then drain the least busy."""
-        starting = [s for s in self.slots if s.state == STARTING][::-1]
-        running = sorted((s for s in self.slots if s.state == RUNNING),
-                         key=lambda s: (s.ongoing, -self.slots.index(s)))
-        for slot in (starting + running)[:count]:
-            if slot.state == STARTING:
-                self._stop(slot)
-                continue
-            slot.state = DRAINING
-            self._free = None
-            self.published.pop(slot.replica_id, None)
-            for router in self.routers:
-                router.drop_view(slot.replica_id)
-            if slot.ongoing == 0:
-                self._stop(slot)
-        self._replicas_changed()
-
     # ----------------------------------------------------------------------- result
     def _result(self) -> SimResult:
         self.itl.flush()  # the records' itl_max / itl_p99 of the last batch
@@ -448,6 +441,7 @@ class ClusterSim:
             adapter_loads=adapter_loads(e.adapters for e in engines if e.adapters is not None)
             if self.config.lora is not None else {},
             num_steps=sum(e.num_steps for e in engines),
+            kv_pulls=self.pulls.summary() if self.pulls is not None else {},
             router_names=[r.policy.name for r in self.routers],
             autoscaler_name=None if self.autoscaler is None else self.autoscaler.name,
         )

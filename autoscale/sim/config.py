@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from iterserve.autoscale.sim.kv_pull import SimKVPulls
 from iterserve.autoscale.sim.kv_tiers import SimKVTiers
 from iterserve.autoscale.sim.lora import SimLoRA
 from iterserve.replica.device_idle import WaitDistribution
@@ -55,6 +56,10 @@ class ClusterSimConfig:
     these sizes and bandwidths: the device's evictions go there, lookups continue there,
     and each step lasts its copies longer (sim/kv_tiers.py).
 
+    kv_pulls: where set, a replica routed a request whose prefix another replica holds
+    further (device or host tier) pulls those blocks over a simulated network when that
+    beats prefilling them (sim/kv_pull.py; bandwidth and latency are assumptions).
+
     lora: where set, each replica holds LoRA adapters (device slots, a host LRU) and a step
     whose requests use one not on the device lasts its load longer (sim/lora.py); the
     replicas report the adapters they hold. None: requests' adapters are ignored.
@@ -88,6 +93,7 @@ class ClusterSimConfig:
     engine_waits: WaitDistribution | None = None  # engine CPU before each continuing step
     router_sync_delay_s: float | None = None
     kv_tiers: SimKVTiers | None = None  # host / disk KV tiers per replica (sim/kv_tiers.py)
+    kv_pulls: SimKVPulls | None = None  # KV pulls between replicas (sim/kv_pull.py)
     lora: SimLoRA | None = None  # LoRA adapter slots and load costs per replica (sim/lora.py)
 
     def __post_init__(self) -> None:

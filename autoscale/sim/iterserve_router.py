@@ -37,6 +37,7 @@ from iterserve.autoscale.lora_affinity import prefer_adapter_holders, waiting_co
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
+from iterserve.autoscale.sim.kv_pull import SimKVPulls, credit_pulls, pull_fraction
 from iterserve.autoscale.sim.prefix import prompt_namespace
 from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 
@@ -52,11 +53,14 @@ class IterserveRouter:
     (`ReplicaView.cached_prefix_tokens`) where the caller gives them; False runs the router
     as the Ray adapter does with `RouterConfig.use_replica_cache_reports` off (the affinity
     table stands in; the adapter's default reads the replicas' reported block hashes).
-    in_flight: where the in-flight corrections come from (module docstring)."""
+    in_flight: where the in-flight corrections come from (module docstring). kv_pulls: the
+    replicas pull prefixes from each other at this (simulated) cost: a replica is credited
+    the best other holder's extra tokens at what pulling them saves (`kv_pull.credit_pulls`),
+    so that an overloaded holder loses to a light replica plus a pull (None: blind to them)."""
 
     def __init__(self, config: RouterConfig | None = None, name: str = "iterserve",
                  use_replica_cache: bool = True, in_flight: InFlightSource = OWN_TRACKER,
-                 lora_affinity: bool = True) -> None:
+                 lora_affinity: bool = True, kv_pulls: SimKVPulls | None = None) -> None:
         if in_flight not in (OWN_TRACKER, CALLER_VIEWS):
             raise ValueError(f"in_flight must be {OWN_TRACKER!r} or {CALLER_VIEWS!r}, "
                              f"got {in_flight!r}")
@@ -66,6 +70,7 @@ class IterserveRouter:
         self.use_replica_cache = use_replica_cache
         self.in_flight = in_flight
         self.lora_affinity = lora_affinity
+        self.kv_pulls = kv_pulls
         self._pending: tuple[str, int | None, int] | None = None
         self._cached: Mapping[Hashable, int] | None = None
         self._offer_token: object = None  # the caller's token of the offer below
@@ -147,7 +152,7 @@ class IterserveRouter:
         """The replicas' own prefix-cache answers for this prompt, if used and known: with
         KV tiers and RouterConfig.score_kv_tiers, each tier's tokens charged their copy
         time (kv_tier_costs, as the Ray adapter reads the per-tier reports); else the
-        device's alone."""
+        device's alone. With kv_pulls, each credited what a pull would bring it."""
         if not self.use_replica_cache:
             return None
         prompt = ctx.request.prompt_token_ids
@@ -156,14 +161,33 @@ class IterserveRouter:
             if not tiers:
                 return tiers
             loads = {v.replica_id: v.load for v in views}
-            return {rid: counts[0] if not any(counts[1:]) else
-                    charged_hit(counts, tier_fractions(loads[rid], self.config))
-                    for rid, counts in tiers.items()}
+            charged = {rid: counts[0] if not any(counts[1:]) else
+                       charged_hit(counts, tier_fractions(loads[rid], self.config))
+                       for rid, counts in tiers.items()}
+            return self._with_pulls(views, ids, charged, tiers)
         if ctx.prefix_cache is not None:  # the caller answers for every replica at once
-            return ctx.prefix_cache(prompt, ids)
-        if all(v.cached_prefix_tokens is not None for v in views):
-            return {v.replica_id: v.cached_prefix_tokens(prompt) for v in views}
-        return None
+            device = ctx.prefix_cache(prompt, ids)
+        elif all(v.cached_prefix_tokens is not None for v in views):
+            device = {v.replica_id: v.cached_prefix_tokens(prompt) for v in views}
+        else:
+            return None
+        return self._with_pulls(views, ids, device, {rid: [n] for rid, n in device.items()})
+
+    def _with_pulls(self, views: Sequence[ReplicaView], ids: Sequence[Hashable],
+                    charged: Mapping[Hashable, int], tiers: Mapping[Hashable, Sequence[int]]
+                    ) -> Mapping[Hashable, int]:
+        """charged, or with kv_pulls each replica credited a pull from the best holder
+        offered (its device and host tokens: what it can send)."""
+        pulls = self.kv_pulls
+        if pulls is None or not tiers:
+            return charged
+        rates = {v.replica_id: v.load.prefill_token_rate
+                 if v.load is not None and v.load.prefill_token_rate > 0
+                 else self.config.prefill_tokens_per_s for v in views}
+        kv_bytes = self.config.kv_bytes_per_token
+        return credit_pulls(charged, {rid: sum(c[:2]) for rid, c in tiers.items()},
+                            {rid: sum(c) for rid, c in tiers.items()}, ids,
+                            lambda rid, n: pull_fraction(pulls, n, kv_bytes, rates[rid]))
 
     def on_routed(self, request: RouteRequest, replica_id: Hashable, now: float) -> None:
         key, tokens = self._key(request)

@@ -69,6 +69,8 @@ class SimResult:
     tier_tokens: dict[str, float] = field(default_factory=dict)
     # With LoRA adapters (ClusterSimConfig.lora): the replicas' adapter loads (sim.lora)
     adapter_loads: dict[str, int] = field(default_factory=dict)
+    # With KV pulls (ClusterSimConfig.kv_pulls): their counts (sim.kv_pull.KVPulls.summary)
+    kv_pulls: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------- summaries
     def ttfts(self) -> list[float]:
@@ -123,6 +125,7 @@ class SimResult:
             "engine_steps": self.num_steps,
             **self._tier_summary(),
             **({"adapter_loads": dict(self.adapter_loads)} if self.adapter_loads else {}),
+            **({"kv_pulls": dict(self.kv_pulls)} if self.kv_pulls else {}),
         }
 
     def _tier_summary(self) -> dict[str, Any]:

@@ -121,6 +121,8 @@ class SimulatedReplica:
         self._output_token: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}
         self.finished: list[Request] = []  # filled by advance(); the caller empties it
+        # Copies of its blocks for other replicas' pulls (sim/kv_pull.py), due in its next step
+        self.served_pull_seconds = 0.0
         self.engine_waits = config.engine_waits
         # its own stream, so that drawing waits changes nothing else a seed decides
         self._wait_rng = random.Random(f"engine-waits:{config.seed}:{replica_id}")
@@ -259,6 +261,9 @@ class SimulatedReplica:
             bm = self.block_manager
             duration += self.tier_copies.take_step_seconds(bm, bm.disk_reads, self._step)
             bm.disk_reads = 0
+        if self.served_pull_seconds:  # blocks copied out for pulls: the batch runs on after
+            duration += self.served_pull_seconds
+            self.served_pull_seconds = 0.0
         if self.adapters is not None:  # the adapters the step uses, loaded before its forward
             duration += self.adapters.load_seconds(
                 r.lora_name for r in self.scheduler.running if r.lora_name is not None)
