@@ -15,6 +15,13 @@ flush the prefixes that came back at least once (a returning chat's history). A 
 admission filter was not chosen: a chat turn's prefix is evicted once and wanted once, so
 refusing first-time blocks would refuse exactly the blocks this tier exists for.
 
+The protected share adapts, as ARC's target does: the keys probation evicted are remembered
+(ghosts, at most num_slots), and a block stored again while remembered (it came back after
+the tier let it go: probation is too small for what is reused now) shrinks the share by a slot,
+demoting protected's least recent block; a promotion grows it back. Without this, one phase's
+hit blocks held 80 % of the tier for good and the next phase never got a hit (measured over
+HTTP, tests/unit/test_host_kv_index_phase.py). A scan never comes back, so it never shrinks it.
+
 A slot named in this step's planned copies is *pinned* until the plan is handed to the runner
 (`unpin_all`): it cannot be chosen as a victim, so a block being copied back is never
 overwritten by a store planned in the same step (the runner runs the step's stores first).
@@ -62,7 +69,11 @@ class HostKVIndex:
         # Slots in order of last use, least recent first (OrderedDict as an O(1) LRU list).
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
-        self._max_protected = max(1, int(num_slots * PROTECTED_FRACTION))
+        self._protected_cap = max(1, int(num_slots * PROTECTED_FRACTION))
+        self._max_protected = self._protected_cap  # adapts: see _adapt_to_ghost
+        # Keys probation evicted, newest last, at most num_slots: a block stored again while
+        # here came back after the tier let it go (ARC's B1 list).
+        self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
         self._empty = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
         self._pinned: set[int] = set()
         self.num_evicted = 0  # blocks that left the tier to make room
@@ -100,6 +111,9 @@ class HostKVIndex:
             return None
         if not self.can_store():
             return None
+        if entry.key in self._ghosts:
+            del self._ghosts[entry.key]
+            self._adapt_to_ghost()
         slot = self._empty.pop() if self._empty else self._evict()
         self._entries[slot] = entry
         self._slot_of[entry.key] = slot
@@ -114,9 +128,21 @@ class HostKVIndex:
         self._pinned.add(slot)
         if slot in self._probation:
             del self._probation[slot]
+            self._max_protected = min(self._protected_cap, self._max_protected + 1)
         else:
             self._protected.pop(slot)
         self._protected[slot] = None
+        self._demote_overflow()
+
+    def _adapt_to_ghost(self) -> None:
+        """A block probation evicted is back: probation was too small for what is reused now.
+        The protected share shrinks by a slot and its least recent block falls to probation,
+        so blocks hit in an earlier phase cannot hold the tier against the current one (ARC's
+        adaptation; promotions grow the share back up to PROTECTED_FRACTION)."""
+        self._max_protected = max(0, self._max_protected - 1)
+        self._demote_overflow()
+
+    def _demote_overflow(self) -> None:
         while len(self._protected) > self._max_protected:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None
@@ -141,6 +167,10 @@ class HostKVIndex:
                     entry = self._entries[slot]
                     if entry is not None:
                         del self._slot_of[entry.key]
+                        if segment is self._probation:
+                            self._ghosts[entry.key] = None
+                            if len(self._ghosts) > self.num_slots:
+                                self._ghosts.popitem(last=False)
                         if self.eviction_listener is not None:
                             self.eviction_listener(slot, entry)
                         if self.listener is not None:
