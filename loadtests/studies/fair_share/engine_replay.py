@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.autoscale.percentile import percentile
+from iterserve.loadtests.studies.fair_share.noisy_neighbour import add_scenario_flags
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import SLOUnreachableError
 from iterserve.replica.llm_engine import LLMEngine
@@ -112,13 +113,7 @@ def replay(policy: str, rates: dict[str, float], a_slo_ms: float, budget: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", default="fair", help="the engine's scheduler_policy")
-    parser.add_argument("--a-rate", type=float, default=20.0, help="tenant a's requests/s")
-    parser.add_argument("--b-rate", type=float, default=2.0, help="tenant b's requests/s")
-    parser.add_argument("--a-slo-ms", type=float, default=2000.0, help="tenant a's ttft_slo_ms")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="the engine's token budget a step (the step's length)")
-    parser.add_argument("--duration", type=float, default=100.0, help="seconds of sending")
+    add_scenario_flags(parser)
     parser.add_argument("--outside-s", type=float, default=0.0,
                         help="seconds outside the engine added to every TTFT")
     parser.add_argument("--out", type=Path, default=None, help="results file (default: "

@@ -123,8 +123,8 @@ def write_results(out: Path, summary: dict[str, Any], outcomes: list[Outcome]) -
                    f'"outcomes": [\n{rows}\n]}}\n')
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_scenario_flags(parser: argparse.ArgumentParser) -> None:
+    """The noisy-neighbour scenario's flags, shared with its virtual-time replay."""
     parser.add_argument("--policy", default="fair", help="the engine's scheduler_policy")
     parser.add_argument("--a-rate", type=float, default=20.0, help="tenant a's requests/s")
     parser.add_argument("--b-rate", type=float, default=2.0, help="tenant b's requests/s")
@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="the engine's token budget a step (the step's length)")
     parser.add_argument("--duration", type=float, default=100.0, help="seconds of sending")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_scenario_flags(parser)
     parser.add_argument("--timeout", type=float, default=60.0, help="a request's deadline (s)")
     parser.add_argument("--out", type=Path, default=None, help="results file (default: "
                         "results/<policy>_a<rate>.json)")
