@@ -21,6 +21,7 @@ drops it everywhere. A request admitted just before an unload either runs with t
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +39,8 @@ from iterserve.deploy.protocol import ModelInfo
 from iterserve.deploy.schemas_tokens import ModelCard
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.lora_adapter import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 # How stale an ingress's view of the runtime loads may be for a name it already knows: an
 # unload through another ingress is seen within this (a request admitted meanwhile gets the
@@ -125,11 +128,21 @@ class LoRAAdapters:
         try:
             await self._client.lora_adapter("load", name, path)
         except BaseException:
-            await self._registry().drop(name, entry.version)
+            await self._forget_load(name, entry.version)
             raise
         await self._registry().publish(name, entry.version)
         self._taken_at = -math.inf
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _forget_load(self, name: str, version: int) -> None:
+        """A load some replica refused: the replicas that read it drop it again (those that
+        never had it count as done), then the registry frees the name."""
+        try:
+            await self._client.lora_adapter("unload", name)
+        except OpenAIHTTPError as error:  # logged: the load's own error is the answer
+            logger.warning("adapter %r stays on a replica after its failed load: %s", name,
+                           error)
+        await self._registry().drop(name, version)
 
     async def unload(self, body: UnloadLoRAAdapterRequest, info: ModelInfo) -> str:
         """Retire the adapter (no ingress admits it, no replica reads it back), unload it

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from iterserve.deploy.engine_client import LocalEngineClient
+from iterserve.deploy.errors import OpenAIHTTPError
 from iterserve.deploy.lora_registry import AdapterEntry, AdapterRegistry, LocalAdapterRegistry
 from iterserve.deploy.server import IngressSettings, create_app
 from iterserve.replica import AsyncLLMEngine, EngineConfig, SamplingParams
@@ -191,3 +192,26 @@ def test_an_unload_during_a_read_back_waits_for_it_and_finds_the_request(
 
     assert len(asyncio.run(run())) == 8
     assert "mid-read" not in engine.list_loras()
+
+
+class RefusedElsewhere(LocalEngineClient):
+    """A load this engine accepts and another replica refuses (as a 400 from it would)."""
+
+    async def lora_adapter(self, action: str, name: str, path: str | None = None) -> None:
+        await super().lora_adapter(action, name, path)
+        if action == "load":
+            raise OpenAIHTTPError(400, "another replica refused it", "invalid_request_error")
+
+
+def test_a_load_some_replica_refused_is_dropped_everywhere(engine: AsyncLLMEngine) -> None:
+    registry = LocalAdapterRegistry()
+
+    async def run() -> int:
+        async with ingress(RefusedElsewhere(engine, registry)) as http:
+            answer = await http.post("/v1/load_lora_adapter",
+                                     json={"lora_name": "half", "lora_path": "qv"})
+            return answer.status_code
+
+    assert asyncio.run(run()) == 400
+    assert "half" not in engine.list_loras()  # the replica that read it dropped it again
+    assert registry.registry.loaded() == {} and registry.registry.add("half", "/x") is not None
