@@ -176,7 +176,7 @@ def test_an_engine_without_the_adapter_reads_it_from_the_request(
 
 def test_a_replica_started_after_a_runtime_load_serves_the_adapter(
         folders: dict[str, Path]) -> None:
-    """Scaling up after a load, narrowed to what a new replica depends on: the ingress's
+    """Scaling up after a load, narrowed to what a new replica depends on: the cluster's
     registry. The load reaches the engine running then; an engine started afterwards, which
     never saw it, then takes the request (pointing the ingress's client at it stands in for
     Serve routing to a replica the autoscaler added: a Serve scale-up does not fit a fast
