@@ -13,14 +13,15 @@ from `POST /v1/load_lora_adapter` (vLLM's body: lora_name, lora_path), which is 
 to read arbitrary files. A load reserves the name in the registry, is broadcast to the
 running replicas, and is published only if every one accepted it (a malformed adapter: 400
 naming the problem). `POST /v1/unload_lora_adapter` (lora_name) retires the adapter (no
-ingress admits it, no replica reads it back), then answers 409 while requests still use it on
-some replica (retry once they finish: nothing is lost; it is served again meanwhile), else
-drops it everywhere. A request admitted just before an unload either runs with the adapter
-(the unload then waits for it: 409) or gets the 404.
+ingress admits it, no replica reads it back), waits for the requests still using it to end
+(up to UNLOAD_WAIT_S; past it a 409 and the adapter is served again: retry, nothing is lost),
+then drops it everywhere. A request admitted just before an unload either runs to its end
+with the adapter (the unload waits for it) or gets the 404; an unload wins.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 # unload through another ingress is seen within this (a request admitted meanwhile gets the
 # 404 from its replica, which asks the registry before reading an adapter back).
 SNAPSHOT_TTL_S = 1.0
+# How long an unload waits for the requests still using the adapter to end (it answers 200
+# once they have, else 409 and the adapter is served again), and how often it asks.
+UNLOAD_WAIT_S = 60.0
+UNLOAD_POLL_S = 0.2
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -65,8 +70,10 @@ class LoRAAdapters:
     afresh, so a load through another ingress is served here at once."""
 
     def __init__(self, client: EngineClient, model_aliases: Iterable[str] = (),
+                 unload_wait_s: float = UNLOAD_WAIT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client  # its `adapters`: the registry, read when first needed
+        self._unload_wait_s = unload_wait_s
         self._aliases = frozenset(model_aliases)  # names of the base model: never looked up
         self._clock = clock
         self._snapshot: dict[str, AdapterEntry] = {}
@@ -146,8 +153,8 @@ class LoRAAdapters:
 
     async def unload(self, body: UnloadLoRAAdapterRequest, info: ModelInfo) -> str:
         """Retire the adapter (no ingress admits it, no replica reads it back), unload it
-        on every running replica, then drop it; a replica's refusal (409: requests still
-        use it) publishes it again."""
+        on every running replica, waiting for the requests that still use it, then drop it;
+        if they outlast the wait (409) it is published again."""
         runtime_root(info)
         name = body.lora_name
         if name in static_adapters(info.config):
@@ -158,12 +165,28 @@ class LoRAAdapters:
             raise model_not_found(name)
         self._taken_at = -math.inf
         try:
-            await self._client.lora_adapter("unload", name)
+            await self._unload_everywhere(name)
         except BaseException:
             await self._registry().publish(name, entry.version)
             raise
         await self._registry().drop(name, entry.version)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+    async def _unload_everywhere(self, name: str) -> None:
+        """Ask every running replica to unload `name` until none refuses for requests still
+        using it (409): the adapter is retired, so no new request joins them and they only
+        end. Past `unload_wait_s` the 409 is the answer. A replica that already dropped it
+        answers as done."""
+        deadline = self._clock() + self._unload_wait_s
+        while True:
+            try:
+                await self._client.lora_adapter("unload", name)
+                return
+            except OpenAIHTTPError as error:
+                if error.status_code != 409 or self._clock() >= deadline:
+                    raise
+            await asyncio.sleep(UNLOAD_POLL_S)
 
 
 def static_adapters(config: dict[str, Any]) -> dict[str, str]:

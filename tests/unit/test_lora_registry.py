@@ -215,3 +215,35 @@ def test_a_load_some_replica_refused_is_dropped_everywhere(engine: AsyncLLMEngin
     assert asyncio.run(run()) == 400
     assert "half" not in engine.list_loras()  # the replica that read it dropped it again
     assert registry.registry.loaded() == {} and registry.registry.add("half", "/x") is not None
+
+
+def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again(
+        engine: AsyncLLMEngine) -> None:
+    """With no time to wait (unload_wait_s=0) a request still using the adapter makes the
+    unload a 409; the adapter is published again, and its request ends in full."""
+    from iterserve.deploy.lora_adapters import (
+        LoadLoRAAdapterRequest,
+        LoRAAdapters,
+        UnloadLoRAAdapterRequest,
+    )
+
+    client = LocalEngineClient(engine, LocalAdapterRegistry())
+    adapters = LoRAAdapters(client, unload_wait_s=0)
+
+    async def run() -> tuple[int, int]:
+        info = await client.model_info()
+        await adapters.load(LoadLoRAAdapterRequest(lora_name="long", lora_path="qv"), info)
+        lora = await adapters.request_for("long", info)
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        outputs = engine.generate(PROMPT, params, "long-1", lora_request=lora)
+        tokens = len((await outputs.__anext__()).new_token_ids)  # in the engine now
+        with pytest.raises(OpenAIHTTPError) as refused:
+            await adapters.unload(UnloadLoRAAdapterRequest(lora_name="long"), info)
+        assert await client.adapters.is_current("long", lora.version)  # served again
+        async for out in outputs:
+            tokens += len(out.new_token_ids)
+        await adapters.unload(UnloadLoRAAdapterRequest(lora_name="long"), info)
+        return refused.value.status_code, tokens
+
+    assert asyncio.run(run()) == (409, 48)
+    assert "long" not in engine.list_loras()
