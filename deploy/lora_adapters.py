@@ -44,8 +44,9 @@ from iterserve.replica.lora_adapter import LoRARequest
 logger = logging.getLogger(__name__)
 
 # How stale an ingress's view of the runtime loads may be for a name it already knows: an
-# unload through another ingress is seen within this (a request admitted meanwhile gets the
-# 404 from its replica, which asks the registry before reading an adapter back).
+# unload through another ingress is seen within this. A request admitted meanwhile runs on a
+# replica still holding the adapter (the unload waits for it) or gets the 404 from one that
+# dropped it (a replica asks the registry before reading an adapter back).
 SNAPSHOT_TTL_S = 1.0
 # How long an unload waits for the requests still using the adapter to end (it answers 200
 # once they have, else 409 and the adapter is served again), and how often it asks.
