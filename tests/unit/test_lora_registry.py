@@ -247,3 +247,25 @@ def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again
 
     assert asyncio.run(run()) == (409, 48)
     assert "long" not in engine.list_loras()
+
+
+def test_a_registry_that_does_not_answer_a_read_back_is_a_503_not_a_500(
+        engine: AsyncLLMEngine, root: Path) -> None:
+    """A replica that cannot ask the registry (RayAdapterRegistry's timeout) reads nothing
+    back and answers the request with the registry's 503 and its Retry-After."""
+    from iterserve.deploy.engine_info import stream_engine
+
+    async def unreachable(request: LoRARequest) -> bool:
+        raise OpenAIHTTPError(503, "The LoRA adapter registry did not answer; retry later.",
+                              "service_unavailable", headers={"Retry-After": "1"})
+
+    async def run() -> list[Any]:
+        lora = LoRARequest("unasked", str(root / "adapters" / "qv"), version=3)
+        return [item async for item in stream_engine(
+            engine, PROMPT, SamplingParams(max_tokens=2), "unasked-1", lora_request=lora,
+            lora_still_loaded=unreachable)]
+
+    [info] = asyncio.run(run())
+    error = info.to_http()
+    assert (error.status_code, error.headers) == (503, {"Retry-After": "1"})
+    assert "unasked" not in engine.list_loras()
