@@ -100,7 +100,7 @@ def load_tokenizer(model_path: str | None) -> Tokenizer:
 class LocalEngineClient:
     """An in-process AsyncLLMEngine behind the EngineClient seam."""
 
-    def __init__(self, engine: Any, adapters: AdapterRecord | None = None) -> None:  # noqa: ANN401
+    def __init__(self, engine: Any, adapters: AdapterRecord | None = None) -> None:
         self.engine = engine
         self.adapters = adapters or LocalAdapterRegistry()
 

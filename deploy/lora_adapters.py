@@ -173,7 +173,6 @@ class LoRAAdapters:
         await self._registry().drop(name, entry.version)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
-
     async def _unload_everywhere(self, name: str) -> None:
         """Ask every running replica to unload `name` until none refuses for requests still
         using it (409): the adapter is retired, so no new request joins them and they only
