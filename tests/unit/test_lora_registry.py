@@ -4,7 +4,7 @@ The registry's rules, pure; then the REAL HTTP app in process (httpx over ASGI, 
 around the REAL AsyncLLMEngine, tiny random model): two ingresses sharing one registry list and
 serve the same adapters, and an unload that races a request the ingress already admitted
 leaves no engine holding the adapter. The two ingresses share one engine here (the Ray test,
-tests/integration/test_lora_registry_ray.py, runs two real ingress replicas).
+tests/integration/test_lora_serve.py, runs two real ingress replicas).
 """
 
 from __future__ import annotations
