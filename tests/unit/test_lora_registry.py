@@ -234,7 +234,8 @@ def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again
         info = await client.model_info()
         await adapters.load(LoadLoRAAdapterRequest(lora_name="long", lora_path="qv"), info)
         lora = await adapters.request_for("long", info)
-        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        # long enough that it still runs when the unload asks, even on a loaded machine
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
         outputs = engine.generate(PROMPT, params, "long-1", lora_request=lora)
         tokens = len((await outputs.__anext__()).new_token_ids)  # in the engine now
         with pytest.raises(OpenAIHTTPError) as refused:
@@ -245,7 +246,7 @@ def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again
         await adapters.unload(UnloadLoRAAdapterRequest(lora_name="long"), info)
         return refused.value.status_code, tokens
 
-    assert asyncio.run(run()) == (409, 48)
+    assert asyncio.run(run()) == (409, 300)
     assert "long" not in engine.list_loras()
 
 
