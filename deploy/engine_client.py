@@ -33,6 +33,7 @@ from iterserve.deploy.errors import (
     http_error_for,
     unwrap_ray_error,
 )
+from iterserve.deploy.lora_registry import AdapterRecord, LocalAdapterRegistry
 from iterserve.deploy.protocol import ModelInfo, Tokenizer
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.config import EngineConfig
@@ -58,6 +59,8 @@ DEFAULT_HOLD_TIMEOUT_S = 300.0
 
 
 class EngineClient(Protocol):
+    adapters: AdapterRecord  # the cluster's runtime-loaded LoRA adapters
+
     async def ready(self) -> bool: ...
 
     async def model_info(self) -> ModelInfo: ...
@@ -97,8 +100,9 @@ def load_tokenizer(model_path: str | None) -> Tokenizer:
 class LocalEngineClient:
     """An in-process AsyncLLMEngine behind the EngineClient seam."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, adapters: AdapterRecord | None = None) -> None:
         self.engine = engine
+        self.adapters = adapters or LocalAdapterRegistry()
 
     async def ready(self) -> bool:
         """An in-process engine serves once built, until its loop dies."""
@@ -118,12 +122,15 @@ class LocalEngineClient:
         if refused is not None:
             raise refused.to_http()
 
+    async def _still_loaded(self, lora: LoRARequest) -> bool:
+        return await self.adapters.is_current(lora.name, lora.version)
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, cache_namespace: CacheNamespace = b"",
                        lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               cache_namespace, lora_request, tenant)
+                               cache_namespace, lora_request, tenant, self._still_loaded)
         try:
             async for item in stream:
                 if isinstance(item, EngineErrorInfo):
@@ -143,11 +150,13 @@ class HandleEngineClient:
     """
 
     def __init__(self, handle: Any, engine: EngineConfig, scales_to_zero: bool = False,  # noqa: ANN401
-                 hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S) -> None:
+                 hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+                 adapters: AdapterRecord | None = None) -> None:
         if hold_timeout_s <= 0:
             raise ValueError(f"hold_timeout_s must be > 0, got {hold_timeout_s}")
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
+        self.adapters = adapters or LocalAdapterRegistry()
         self._engine = engine
         self._model_path = resolve_model_path(engine)
         self._scales_to_zero = scales_to_zero

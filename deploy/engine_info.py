@@ -15,7 +15,7 @@ from typing import Any
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.errors import EngineErrorInfo, engine_error_info
 from iterserve.replica.block_keys import CacheNamespace
-from iterserve.replica.lora_adapter import LoRARequest
+from iterserve.replica.lora_adapter import LoRACheck, LoRARequest
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
@@ -73,15 +73,17 @@ async def stream_engine(
     cache_namespace: CacheNamespace = b"",
     lora_request: LoRARequest | None = None,
     tenant: TenantShare | None = None,
+    lora_still_loaded: LoRACheck | None = None,
 ) -> AsyncIterator[RequestOutput | EngineErrorInfo]:
     """Yield the engine's deltas; an engine error before the first one is yielded as data.
+    `lora_still_loaded`: the cluster's registry, asked before an adapter is read back.
 
     Closing this generator early (client disconnect: Serve injects CancelledError) closes the
     engine's generator, which aborts the request and frees its KV blocks.
     """
     agen = engine.generate(prompt_token_ids, params, request_id, priority=priority,
                            cache_namespace=cache_namespace, lora_request=lora_request,
-                           tenant=tenant)
+                           tenant=tenant, lora_still_loaded=lora_still_loaded)
     try:
         try:
             first = await agen.__anext__()

@@ -142,6 +142,10 @@ def engine_error_info(error: BaseException) -> EngineErrorInfo | None:
                                retry_elsewhere=True)
     if isinstance(error, RequestFailedError):
         return EngineErrorInfo(500, str(error), "internal_server_error")
+    if isinstance(error, OpenAIHTTPError):  # the LoRA registry did not answer a replica: 503
+        retry = error.headers.get("Retry-After")
+        return EngineErrorInfo(error.status_code, error.message, error.err_type,
+                               float(retry) if retry else None)
     if isinstance(error, UnknownAdapterError):  # a replica asked to unload what it lacks
         return EngineErrorInfo(404, str(error), "not_found_error")
     if isinstance(error, AdapterInUseError):

@@ -25,6 +25,7 @@ from iterserve.dashboards.tenant_metrics import TenantMetrics
 from iterserve.deploy.auth import load_api_keys
 from iterserve.deploy.engine_client import DEFAULT_HOLD_TIMEOUT_S, HandleEngineClient
 from iterserve.deploy.lifecycle import ServingState
+from iterserve.deploy.lora_registry import RayAdapterRegistry, registry_actor_name
 from iterserve.deploy.quotas import RayQuotas, quota_actor_name
 from iterserve.deploy.server import DEFAULT_MAX_BODY_BYTES, IngressSettings, create_app
 from iterserve.deploy.tenant_requests import Tenancy
@@ -80,7 +81,10 @@ class OpenAIIngress:
                                          tools=tools or ToolSettings())
         resolved = resolve_engine_config(
             engine_config, cuda_available=engine_config.device.startswith("cuda"))
-        self._client = HandleEngineClient(engine, resolved, scales_to_zero, hold_timeout_s)
+        app_name = serve.get_replica_context().app_name
+        self._client = HandleEngineClient(
+            engine, resolved, scales_to_zero, hold_timeout_s,
+            adapters=RayAdapterRegistry(registry_actor_name(app_name)))
         self._client.warm_up()  # the tokenizer loads while Serve starts the rest
         self._state = ServingState()
         self._tenancy = tenancy_for(self._settings, str(resolved.served_model_name),

@@ -29,6 +29,7 @@ from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
 from iterserve.deploy.kv_pull import KVPullConfig, KVPuller, PullHint, export_chunks
+from iterserve.deploy.lora_registry import RayAdapterRegistry, registry_actor_name
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.errors import EngineDeadError
@@ -146,6 +147,7 @@ class LLMReplica:
         self._cache_report: dict[str, list[int]] | None = None  # the last per-tier block hashes
         self._closed = False
         self._peers: Any = None  # a handle to this deployment, made at the first pull
+        self._adapters: RayAdapterRegistry | None = None  # the app's registry, at first use
         self._puller = KVPuller(self.engine, kv_pull or KVPullConfig(), self._replica_id,
                                 self._export_from, self._record_pull)
         logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
@@ -175,7 +177,7 @@ class LLMReplica:
                 with_adapter(cache_namespace, lora_request.name if lora_request else None),
                 PullHint.parse(kv_pull_hint))
         stream = stream_engine(self.engine, prompt_token_ids, params, request_id, priority,
-                               cache_namespace, lora_request, tenant)
+                               cache_namespace, lora_request, tenant, self._adapter_still_loaded)
         complete = False
         try:
             async for item in stream:
@@ -208,6 +210,14 @@ class LLMReplica:
             self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
         return await self._peers.export_kv_blocks.remote(
             token_ids, namespace, first_block, max_bytes, **{ROUTE_TO_KWARG: holder})
+
+    async def _adapter_still_loaded(self, lora: LoRARequest) -> bool:
+        """Asked before this replica reads a runtime-loaded adapter back: whether the
+        version the request was admitted with is still loaded (deploy/lora_registry.py)."""
+        if self._adapters is None:
+            self._adapters = RayAdapterRegistry(
+                registry_actor_name(serve.get_replica_context().app_name))
+        return await self._adapters.is_current(lora.name, lora.version)
 
     def _record_pull(self, outcome: str, nbytes: int) -> None:
         if self._stat_logger is not None:

@@ -123,7 +123,7 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
     tenancy = tenancy or Tenancy()
     router = APIRouter(dependencies=[Depends(require_api_key)])
     model_aliases = tuple(model_aliases)
-    adapters = LoRAAdapters()
+    adapters = LoRAAdapters(client, model_aliases)
 
     async def read(request: Request, model: type[Body]) -> Body:
         return await read_body(request, model, limit)
@@ -134,31 +134,33 @@ def api_router(client: EngineClient, limit: int, model_aliases: Iterable[str],
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, limit)
         info = await client.model_info()
-        check_model(body.model, info, model_aliases, adapters.all(info))
+        lora = await adapters.request_for(body.model, info)
+        check_model(body.model, info, model_aliases, [lora.name] if lora else ())
         return await create_completion(body, client, info, tenancy, caller_of(request, body.user),
-                                       adapters.request_for(body.model, info))
+                                       lora)
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, limit)
         info = await client.model_info()
-        check_model(body.model, info, model_aliases, adapters.all(info))
+        lora = await adapters.request_for(body.model, info)
+        check_model(body.model, info, model_aliases, [lora.name] if lora else ())
         return await create_chat_completion(body, client, info, tools, tenancy,
-                                            caller_of(request, body.user),
-                                            adapters.request_for(body.model, info))
+                                            caller_of(request, body.user), lora)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         info = await client.model_info()
         base = model_card(info)
-        return JSONResponse(ModelList(data=[base, *adapters.cards(info, base)]).model_dump())
+        cards = await adapters.cards(info, base)
+        return JSONResponse(ModelList(data=[base, *cards]).model_dump())
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         info = await client.model_info()
-        check_model(model_id, info, model_aliases, adapters.all(info))
+        check_model(model_id, info, model_aliases, await adapters.all(info, model_id))
         base = model_card(info)
-        card = next((c for c in adapters.cards(info, base) if c.id == model_id), base)
+        card = next((c for c in await adapters.cards(info, base) if c.id == model_id), base)
         return JSONResponse(card.model_dump())
 
     @router.post("/tokenize")

@@ -30,7 +30,8 @@ from iterserve.replica.errors import (
     RequestFailedError,
 )
 from iterserve.replica.llm_engine import LLMEngine
-from iterserve.replica.lora_adapter import LoRARequest
+from iterserve.replica.lora_adapter import LoRACheck, LoRARequest
+from iterserve.replica.lora_manager import UnknownAdapterError
 from iterserve.replica.outputs import RequestOutput
 from iterserve.replica.request import TenantShare
 from iterserve.replica.sampling_params import SamplingParams
@@ -75,6 +76,9 @@ class AsyncLLMEngine:
         self._draining = False
         self._stopped = False
         self._dead: BaseException | None = None
+        # One lock per adapter name, held by a read-back and by an unload: an unload never
+        # falls between a read-back's "still loaded?" and its register (see _serve_lora).
+        self._lora_locks: dict[str, asyncio.Lock] = {}
         self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
         if start:
             self._thread.start()
@@ -93,19 +97,18 @@ class AsyncLLMEngine:
         cache_namespace: CacheNamespace = b"",
         lora_request: LoRARequest | None = None,
         tenant: TenantShare | None = None,
+        lora_still_loaded: LoRACheck | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream output deltas of every child; raises before yielding on bad input.
         cache_namespace: where its prefix-cache blocks live (replica/block_keys.py);
-        `lora_request`: its adapter, read first (off the engine thread) if not yet served."""
+        `lora_request`: its adapter, read first (off the engine thread) if not yet served,
+        and then only if `lora_still_loaded` says its version was not unloaded meanwhile."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._draining:
             raise EngineDrainingError("the engine is draining and admits no new requests")
-        if lora_request is not None and lora_request.name not in self.list_loras():
-            await self.load_lora(lora_request.name, lora_request.path)
-        elif lora_request is not None and self.engine.lora is not None:
-            # evicted from host memory by the LRU: read it here, not in the engine's step
-            await asyncio.to_thread(self.engine.lora.hold, lora_request.name)
+        if lora_request is not None:
+            await self._serve_lora(lora_request, lora_still_loaded)
         lora_name = lora_request.name if lora_request is not None else None
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling_params.n)
         # Arrival is now, not when the engine thread runs the add command: a busy loop
@@ -161,7 +164,30 @@ class AsyncLLMEngine:
     async def unload_lora(self, name: str) -> None:
         """Stop serving `name`, on the engine thread (AdapterInUseError while requests use
         it, UnknownAdapterError if not served)."""
-        await self.call(lambda engine: engine.remove_lora(name))
+        async with self._lora_lock(name):
+            await self.call(lambda engine: engine.remove_lora(name))
+
+    async def _serve_lora(self, lora: LoRARequest, still_loaded: LoRACheck | None) -> None:
+        """Make `lora` servable here before its request is added. An adapter this engine
+        does not serve (it started later, or an unload dropped it) is read back from its
+        folder only if `still_loaded` says so, under the name's lock: an unload that raced
+        the request's admission either ran first (then the check says no: a 404) or waits
+        for the register, and then finds the request in the engine (409) or drops the
+        adapter before the request is added (a 404 there). Either way no replica keeps an
+        unloaded adapter."""
+        if self.engine.lora is not None and lora.name in self.list_loras():
+            # evicted from host memory by the LRU: read it here, not in the engine's step
+            await asyncio.to_thread(self.engine.lora.hold, lora.name)
+            return
+        async with self._lora_lock(lora.name):
+            if lora.name in self.list_loras():
+                return
+            if still_loaded is not None and not await still_loaded(lora):
+                raise UnknownAdapterError(lora.name)
+            await self.load_lora(lora.name, lora.path)
+
+    def _lora_lock(self, name: str) -> asyncio.Lock:
+        return self._lora_locks.setdefault(name, asyncio.Lock())
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda engine: self._abort(engine, request_id)))

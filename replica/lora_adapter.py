@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,18 @@ _REFUSED_FEATURES = {"use_dora": False, "fan_in_fan_out": False, "rank_pattern":
 class LoRARequest:
     """A request's adapter as it travels to a replica (vLLM's LoRARequest): its model name
     and its folder, so a replica that does not serve it yet (started after the adapter was
-    loaded, or restarted) reads it from there before admitting the request."""
+    loaded, or restarted) reads it from there before admitting the request. `version`: the
+    runtime load it was admitted with (0: a lora_modules adapter), which a replica checks is
+    still loaded before reading the adapter back (deploy/lora_registry.py)."""
 
     name: str
     path: str
+    version: int = 0
+
+
+# Whether a request's adapter version is still loaded in the cluster (the ingress's registry):
+# asked before a replica reads an adapter back.
+LoRACheck = Callable[[LoRARequest], Awaitable[bool]]
 
 
 class LoRALoadError(ValueError):

@@ -322,7 +322,15 @@ class Scheduler:
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether running `request` keeps the running adapters within max_loras (vLLM's
-        rule: one step holds at most max_loras distinct adapters)."""
+        rule: one step holds at most max_loras distinct adapters).
+
+        A request that does not fit waits without an age limit, as in vLLM's v1 scheduler
+        (it moves such a request to `skipped_waiting` and prepends it again, with no
+        timeout): a slot frees when the last running request of an adapter ends, but under
+        steady traffic for the running adapters (admitted past it: their adapter runs) it
+        can wait indefinitely. Not bounded here, as not there; the router steers new
+        requests away from a replica whose slots are full (autoscale/lora_affinity.py), and
+        a client that stops waiting aborts the request (its disconnect)."""
         if request.lora_name is None:
             return True
         running = {r.lora_name for r in self.running if r.lora_name is not None}

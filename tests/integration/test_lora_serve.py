@@ -1,8 +1,10 @@
 """LoRA through the live stack with two replicas: the `openai` client -> Serve proxy ->
-OpenAIIngress -> KVAwareRouter -> LLMReplica x2 (real engines, tiny model, CPU). Proves what
+OpenAIIngress x2 -> KVAwareRouter -> LLMReplica x2 (real engines, tiny model, CPU). Proves what
 only Serve can: a runtime load is broadcast to every replica, requests naming the adapter are
 served by whichever replica takes them with the same tokens, the replicas report the adapter
-in their routing stats, and an unload reaches them all.
+in their routing stats, and an unload reaches them all; the load is recorded in the
+application's registry (a named Ray actor), so whichever ingress takes a request knows it,
+and ingresses started in place of killed ones do too.
 
 Run under the shared lock: flock /tmp/iterserve-heavy.lock .venv/bin/python -m pytest ...
 """
@@ -31,7 +33,7 @@ def served(integration: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     make_adapter(default_model_path(), root / "sql", ["q_proj", "v_proj", "down_proj"], seed=1)
     app_args = {"engine_kwargs": {**integration.SMALL_ENGINE, "enable_lora": True,
                                   "max_lora_rank": 8, "runtime_lora_root": str(root)},
-                "num_gpus_per_replica": 0, "num_replicas": 2}
+                "num_gpus_per_replica": 0, "num_replicas": 2, "num_ingress_replicas": 2}
     with integration.serve_app(app_args, num_cpus=6) as url:
         yield url, root
 
@@ -106,3 +108,55 @@ def test_replicas_started_after_a_load_serve_the_adapter(served: tuple[str, Path
                if "late" in r["stats"].get("lora_adapters", ())]
     assert len(holders) == 1  # the new replica that took the request read it
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+
+
+def test_every_ingress_serves_a_load_and_restarted_ingresses_keep_it(
+        served: tuple[str, Path]) -> None:
+    """A load through one ingress (the proxy picks it) is listed and served by every
+    answer the proxy gives (12 rounds over two ingresses: each answers some with odds
+    1 - 2**-11; without the registry about half were 404s); both ingresses killed, the two
+    Serve starts in their place never saw the load and still list and serve it; an unload
+    through one of them is then seen by every answer."""
+    import os
+    import signal
+    import time
+
+    url, _ = served
+    http = httpx.Client(base_url=url, timeout=120)
+    body = {"model": "shared", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    assert http.post("/v1/load_lora_adapter",
+                     json={"lora_name": "shared", "lora_path": "sql"}).status_code == 200
+
+    def rounds() -> tuple[set[bool], set[int], set[str]]:
+        listed, codes, texts = set(), set(), set()
+        for _ in range(12):
+            listed.add("shared" in [m["id"] for m in http.get("/v1/models").json()["data"]])
+            answer = http.post("/v1/completions", json=body)
+            codes.add(answer.status_code)
+            if answer.status_code == 200:
+                texts.add(answer.json()["choices"][0]["text"])
+        return listed, codes, texts
+
+    listed, codes, before = rounds()
+    assert (listed, codes, len(before)) == ({True}, {200}, 1)
+    old = serve_actor_pids("OpenAIIngress")
+    assert len(old) == 2
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        new = serve_actor_pids("OpenAIIngress")
+        if len(new) == 2 and not set(new) & set(old):
+            try:
+                if http.get("/v1/models", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass  # the proxy still routes to a killed ingress: asked again below
+        time.sleep(1)
+    else:
+        raise AssertionError("the killed ingresses were not replaced in 180 s")
+    listed, codes, after = rounds()
+    assert (listed, codes, after) == ({True}, {200}, before)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "shared"}).status_code == 200
+    listed, codes, _ = rounds()
+    assert (listed, codes) == ({False}, {404})
