@@ -67,6 +67,7 @@ from iterserve.autoscale.lora_affinity import (
     waiting_counts,
 )
 from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_sync import RayHub, RouterSync, hub_name
@@ -76,9 +77,9 @@ from iterserve.dashboards.metrics import RouterMetrics
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
-# A call naming a replica's unique id in this kwarg reaches that replica alone (none while it
-# is gone): a replica pulling a prefix from a peer (deploy/kv_pull.py), a study placing a
-# request where it wants it.
+# A call naming a replica's unique id in this kwarg reaches that replica alone, or fails at
+# once with RouteTargetGone while it is not among the live replicas: a replica pulling a
+# prefix from a peer (deploy/kv_pull.py), a study placing a request where it wants it.
 ROUTE_TO_KWARG = "route_to_replica"
 # With RouterConfig.kv_pull_hints, a generate call gets this kwarg: (the unique id of the
 # replica whose report holds the longest prefix of the prompt, its cached tokens).
@@ -252,8 +253,22 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
             target = pending_request.kwargs.get(ROUTE_TO_KWARG)
             if isinstance(target, str):
-                return [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
+                named = [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
+                return named or self._fail_gone_target(pending_request, target, shuffled)
         return [[by_id[rid] for rid in group] for group in to_rank_groups(ranked)]
+
+    def _fail_gone_target(self, pending_request: PendingRequest, target: str,
+                          candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Fail a call whose named replica is not running, now: Serve would otherwise retry
+        it with backoff until its caller gives up (a pull from a dead holder waited out the
+        whole --kv-pull-timeout-s). The error reaches the caller through the request's
+        future, which Serve's routing awaits; the candidates returned make Serve's routing
+        loop see that future done and stop (it checks before it picks one), and the index
+        entry is dropped as Serve drops a cancelled request's."""
+        if not pending_request.future.done():
+            pending_request.future.set_exception(RouteTargetGone(target))
+        self._remove_pending_request_from_indices(pending_request)
+        return [list(candidates)]
 
     @staticmethod
     def _hint_holder(pending_request: PendingRequest, cached: dict[ReplicaID, int]) -> None:

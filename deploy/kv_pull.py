@@ -15,7 +15,9 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    from where the engine's onboarding copies them to the device
 
 Anything short of success (a timeout, a holder that died, evicted the blocks, or runs another
-layout, a pull bigger than `max_bytes`) leaves the request to compute its prefix: a pull only
+layout, a pull bigger than `max_bytes`) leaves the request to compute its prefix. A holder
+that is gone fails at once, not at the timeout: the router refuses a call naming a replica it
+no longer runs (RouteTargetGone), and a holder dying under the call raises ActorDiedError: a pull only
 ever adds blocks whose stable hashes match the prompt, so it cannot change a token. Every
 pull's outcome is counted (`kv_pulls{outcome}`, `kv_pull_bytes`).
 """
@@ -30,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 from ray.serve.exceptions import RayServeException
 
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.errors import EngineError
@@ -171,11 +174,14 @@ class KVPuller:
                                        holder), self.config.timeout_s)
         except asyncio.TimeoutError:
             return "timeout", 0
+        except (RouteTargetGone, ActorDiedError) as error:
+            logger.info("a pull from %s found it gone, computing instead: %r", holder, error)
+            return "holder_gone", 0
         except KVTransferRefused as error:
             logger.warning("a pull from %s refused: %s", holder, error)
             return "refused", 0
         except (RayError, RayServeException, OSError, EngineError) as error:
-            # a holder gone, a full object store, this engine stopped meanwhile
+            # a holder unreachable for now, a full object store, this engine stopped
             logger.info("a pull from %s failed, computing instead: %r", holder, error)
             return "failed", 0
         self.bandwidth.record(nbytes, time.monotonic() - start)

@@ -11,6 +11,7 @@ import pytest
 from block_hash_oracle import prompt_block_hashes
 from test_router_cache_reports import BLOCK, PROMPT, _FakeReplica, _pending, _router, load
 
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.autoscale.router import PULL_HINT_KWARG, ROUTE_TO_KWARG
 from iterserve.deploy.kv_pull import PullHint
 from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
@@ -51,9 +52,26 @@ def test_a_call_routed_to_a_replica_reaches_it_alone_or_nothing() -> None:
         ranks = asyncio.run(router.choose_replicas(replicas, pending))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [[target]]
         assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)
-    gone = _generate_call(PROMPT, "gone", **{ROUTE_TO_KWARG: "a-dead-replica"})
-    assert asyncio.run(router.choose_replicas(replicas, gone)) == []
-    assert gone.routing_context.should_backoff
+
+
+def test_a_call_routed_to_a_replica_that_is_gone_fails_at_once() -> None:
+    """Through Serve's own routing loop (RequestRouter._choose_replica_for_request, what a
+    handle call awaits): a call naming a replica that is not running fails with
+    RouteTargetGone within a second. Before, Serve retried it with backoff until its caller
+    gave up: a pull from a dead holder waited out the whole --kv-pull-timeout-s."""
+
+    async def route(target: str) -> str:
+        router, replicas = _router(kv_pull_hints=True), _replicas()
+        router.update_replicas(replicas)
+        pending = _generate_call(PROMPT, f"to-{target}", **{ROUTE_TO_KWARG: target})
+        pending.reset_future()  # a future on this test's loop, as Serve makes one
+        chosen = await asyncio.wait_for(router._choose_replica_for_request(pending), 1.0)
+        assert not router._pending_requests_by_id  # nothing left behind in Serve's index
+        return chosen.replica_id.unique_id
+
+    assert asyncio.run(route("holder")) == "holder"
+    with pytest.raises(RouteTargetGone, match="a-dead-replica"):
+        asyncio.run(route("a-dead-replica"))
 
 
 def test_a_pull_pays_when_its_bytes_move_faster_than_the_tokens_compute() -> None:
