@@ -9,8 +9,10 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    `export_kv_blocks` through a handle to its own deployment
                                    with `route_to_replica` naming the holder (the router ranks
                                    only that replica), within `timeout_s`
-    holder (`export_chunks`)       copies the blocks between its engine's steps, a chunk of at
-                                   most CHUNK_BYTES per step, and `ray.put`s each chunk
+    holder (`export_chunks`)       copies the blocks, a chunk of at most CHUNK_BYTES at a
+                                   time: off its engine thread without waiting for a step
+                                   where it can (CPU), else between two of its steps; and
+                                   `ray.put`s each chunk
     receiver                       reads the chunks' refs and imports each into its host tier,
                                    from where the engine's onboarding copies them to the device
 
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, RayError
 from ray.serve.exceptions import RayServeException
@@ -42,7 +45,9 @@ from iterserve.replica.errors import EngineError
 from iterserve.replica.kv_transfer import (
     KVBlockPayload,
     KVTransferRefused,
+    can_export_unlocked,
     export_blocks,
+    export_blocks_unlocked,
     import_blocks,
     layout_key,
     num_held_blocks,
@@ -85,23 +90,54 @@ class PullHint:
 async def export_chunks(engine: Any, token_ids: Sequence[int], namespace: CacheNamespace,  # noqa: ANN401
                         first_block: int, max_bytes: int) -> list[ray.ObjectRef]:
     """The holder's side: the prompt's blocks from first_block on, at most max_bytes, as
-    object refs of KVBlockPayload chunks; each chunk is copied on the engine thread between
-    two steps and put into the object store off it. Empty: it holds none of them now."""
+    object refs of KVBlockPayload chunks, each put into the object store off the engine
+    thread. Where the engine allows (kv_transfer.can_export_unlocked: CPU, no async
+    scheduling) a chunk is copied off the engine thread too, without waiting for its step
+    boundary, its blocks checked against the writes planned meanwhile; a chunk that ends
+    short there (a block being written) is finished between two steps. Elsewhere every
+    chunk is copied on the engine thread between two steps. Empty: it holds none of them."""
+    unlocked = can_export_unlocked(engine.engine)
     refs: list[ray.ObjectRef] = []
     sent = 0
     while sent < max_bytes:
         budget = min(CHUNK_BYTES, max_bytes - sent)
-        payload: KVBlockPayload | None = await engine.call(
-            lambda e, first=first_block, budget=budget: export_blocks(
-                e, token_ids, namespace, first, budget))
+        payload: KVBlockPayload | None = None
+        if unlocked:
+            payload = await asyncio.to_thread(export_blocks_unlocked, engine.engine,
+                                              token_ids, namespace, first_block, budget)
+        if payload is None or _ends_short(payload, budget):
+            payload = await _export_at_step_boundary(engine, token_ids, namespace,
+                                                     first_block, budget, payload)
         if payload is None or payload.num_blocks == 0:
             break
         refs.append(await asyncio.to_thread(ray.put, payload))
         sent += payload.nbytes
         first_block += payload.num_blocks
-        if payload.num_blocks < budget // payload.layout.bytes_per_block:
+        if _ends_short(payload, budget):
             break  # the chain ended here: asking again would only wait for another step
     return refs
+
+
+def _ends_short(payload: KVBlockPayload, budget: int) -> bool:
+    return payload.num_blocks < budget // payload.layout.bytes_per_block
+
+
+async def _export_at_step_boundary(engine: Any, token_ids: Sequence[int],  # noqa: ANN401
+                                   namespace: CacheNamespace, first_block: int, budget: int,
+                                   head: KVBlockPayload | None) -> KVBlockPayload | None:
+    """The chunk copied on the engine thread between two steps; `head`: the blocks the
+    unlocked copy already took from first_block on, the rest appended to them."""
+    start = first_block + (head.num_blocks if head is not None else 0)
+    left = budget - (head.nbytes if head is not None else 0)
+    tail: KVBlockPayload | None = await engine.call(
+        lambda e: export_blocks(e, token_ids, namespace, start, left))
+    if head is None or head.num_blocks == 0:
+        return tail
+    if tail is None or tail.num_blocks == 0:
+        return head
+    return KVBlockPayload(head.layout, namespace, first_block,
+                          head.stable_hashes + tail.stable_hashes,
+                          np.concatenate((head.kv, tail.kv)))
 
 
 @dataclass
