@@ -5,7 +5,7 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    holds the longest prefix of the prompt, and how many tokens
     receiver (`KVPuller.pull`)     counts the prefix it holds itself; when the holder's is
                                    longer by enough that a pull beats computing
-                                   (deploy/kv_pull_cost.py), it calls the holder's
+                                   (autoscale/kv_pull_cost.py), it calls the holder's
                                    `export_kv_blocks` through a handle to its own deployment
                                    with `route_to_replica` naming the holder (the router ranks
                                    only that replica), within `timeout_s`
@@ -38,8 +38,8 @@ import ray
 from ray.exceptions import ActorDiedError, RayError
 from ray.serve.exceptions import RayServeException
 
+from iterserve.autoscale.kv_pull_cost import BandwidthMeter, pull_beats_compute
 from iterserve.autoscale.route_target_gone import RouteTargetGone
-from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.errors import EngineError
 from iterserve.replica.kv_transfer import (
