@@ -1,6 +1,6 @@
 """When pulling a prefix's KV from another replica beats computing it: a pure cost rule.
 
-A pull costs a fixed latency (a handle call to the holder, its copy between two of its steps,
+A pull costs a fixed latency (a handle call to the holder, its copy of the blocks,
 the object-store hand-off) plus its bytes over the object store's bandwidth as this replica
 measured it on earlier pulls; computing costs the missing tokens over this replica's measured
 prefill rate. Both rates are measured where they are used, so the rule follows the machine:
