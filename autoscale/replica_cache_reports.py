@@ -73,11 +73,18 @@ def cached_prefix_tokens(token_ids: Sequence[int], candidates: Sequence[Hashable
                                 device_only=tier_costs is None)
     if tiers is None:
         return None
+    return charge_tiers(tiers, dict(zip(candidates, loads, strict=True)), tier_costs)
+
+
+def charge_tiers(tiers: Mapping[Hashable, Sequence[int]],
+                 loads: Mapping[Hashable, ReplicaLoad | None],
+                 tier_costs: RouterConfig | None) -> dict[Hashable, int]:
+    """Each replica's cached tokens per tier (cached_prefix_tiers) as prefill tokens saved:
+    the device tier's alone with tier_costs None, else every tier charged its copy time."""
     if tier_costs is None:
         return {rid: counts[0] for rid, counts in tiers.items()}
-    load_of = dict(zip(candidates, loads, strict=True))
     return {rid: counts[0] if not any(counts[1:]) else
-            charged_hit(counts, tier_fractions(load_of[rid], tier_costs))
+            charged_hit(counts, tier_fractions(loads[rid], tier_costs))
             for rid, counts in tiers.items()}
 
 

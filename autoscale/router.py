@@ -66,7 +66,14 @@ from iterserve.autoscale.lora_affinity import (
     request_adapter,
     waiting_counts,
 )
-from iterserve.autoscale.replica_cache_reports import ParsedLoads, cached_prefix_tokens
+from iterserve.autoscale.pull_pricing import pullable_tokens, with_pull_credit
+from iterserve.autoscale.replica_cache_reports import (
+    ParsedLoads,
+    cached_prefix_tiers,
+    cached_prefix_tokens,
+    charge_tiers,
+)
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.autoscale.router_policy import to_rank_groups
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_sync import RayHub, RouterSync, hub_name
@@ -76,9 +83,9 @@ from iterserve.dashboards.metrics import RouterMetrics
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 
 ROUTER_CLASS_PATH = "iterserve.autoscale.router:KVAwareRouter"
-# A call naming a replica's unique id in this kwarg reaches that replica alone (none while it
-# is gone): a replica pulling a prefix from a peer (deploy/kv_pull.py), a study placing a
-# request where it wants it.
+# A call naming a replica's unique id in this kwarg reaches that replica alone, or fails at
+# once with RouteTargetGone while it is not among the live replicas: a replica pulling a
+# prefix from a peer (deploy/kv_pull.py), a study placing a request where it wants it.
 ROUTE_TO_KWARG = "route_to_replica"
 # With RouterConfig.kv_pull_hints, a generate call gets this kwarg: (the unique id of the
 # replica whose report holds the longest prefix of the prompt, its cached tokens).
@@ -198,12 +205,24 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
     def _cached_tokens(self, token_ids: list[int] | None, replica_ids: Sequence[ReplicaID],
                        loads: Sequence[ReplicaLoad | None], namespace: CacheNamespace
-                       ) -> dict[ReplicaID, int] | None:
+                       ) -> tuple[dict[ReplicaID, int] | None, dict[ReplicaID, int] | None]:
+        """(each replica's cache answer in prefill tokens saved, the tokens each could send
+        a puller); with kv_pull_hints each answer is credited what a pull from the best
+        other holder would save (pull_pricing.py), else the second is None."""
         if token_ids is None or not self.config.use_replica_cache_reports:
-            return None
+            return None, None
         tier_costs = self.config if self.config.score_kv_tiers else None
-        return cached_prefix_tokens(token_ids, replica_ids, loads, namespace,
-                                    tier_costs=tier_costs)
+        if not self.config.kv_pull_hints:
+            return cached_prefix_tokens(token_ids, replica_ids, loads, namespace,
+                                        tier_costs=tier_costs), None
+        tiers = cached_prefix_tiers(token_ids, replica_ids, loads, namespace)
+        if tiers is None:
+            return None, None
+        load_of = dict(zip(replica_ids, loads, strict=True))
+        charged = (charge_tiers(tiers, load_of, tier_costs) if tier_costs is not None else
+                   cached_prefix_tokens(token_ids, replica_ids, loads, namespace) or {})
+        return (with_pull_credit(charged, tiers, replica_ids, load_of, self.config),
+                pullable_tokens(tiers))
 
     def _remember_hits(self, request_id: str, hits: dict[ReplicaID, int]) -> None:
         self._hits.pop(request_id, None)  # re-inserted last: the newest
@@ -231,8 +250,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         adapter = (request_adapter(pending_request.args, pending_request.kwargs)
                    if pending_request is not None else None)
         replica_ids = [r.replica_id for r in shuffled]
-        cached = self._cached_tokens(token_ids, replica_ids, loads,
-                                     request_namespace(pending_request))
+        cached, pullable = self._cached_tokens(token_ids, replica_ids, loads,
+                                               request_namespace(pending_request))
         ranked = self._core.rank(replica_ids, loads, key, num_tokens, time.time(),
                                  prompt_tokens=len(token_ids or ()), cached_tokens=cached)
         if adapter is not None:
@@ -244,25 +263,40 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
                                             waiting, adapter, self.config.lora_affinity_slack)
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
-            if self.config.kv_pull_hints:
-                self._hint_holder(pending_request, cached)
+            if pullable is not None:
+                self._hint_holder(pending_request, pullable)
         if pending_request is not None:
             # We return every replica, so if all ranks fail Serve must back off before
             # asking again; without this flag it retries in a hot loop (2.60 behaviour).
             pending_request.routing_context.should_backoff = True
             target = pending_request.kwargs.get(ROUTE_TO_KWARG)
             if isinstance(target, str):
-                return [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
+                named = [[by_id[rid]] for rid in replica_ids if rid.unique_id == target]
+                return named or self._fail_gone_target(pending_request, target, shuffled)
         return [[by_id[rid] for rid in group] for group in to_rank_groups(ranked)]
 
+    def _fail_gone_target(self, pending_request: PendingRequest, target: str,
+                          candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Fail a call whose named replica is not running, now: Serve would otherwise retry
+        it with backoff until its caller gives up (a pull from a dead holder waited out the
+        whole --kv-pull-timeout-s). The error reaches the caller through the request's
+        future, which Serve's routing awaits; the candidates returned make Serve's routing
+        loop see that future done and stop (it checks before it picks one), and the index
+        entry is dropped as Serve drops a cancelled request's."""
+        if not pending_request.future.done():
+            pending_request.future.set_exception(RouteTargetGone(target))
+        self._remove_pending_request_from_indices(pending_request)
+        return [list(candidates)]
+
     @staticmethod
-    def _hint_holder(pending_request: PendingRequest, cached: dict[ReplicaID, int]) -> None:
-        """Tell a generate call which replica holds the longest prefix of its prompt:
-        wherever Serve sends it, that replica may pull the prefix from there instead of
-        computing it (route here, pull from there)."""
-        if pending_request.metadata.call_method != "generate" or not cached:
+    def _hint_holder(pending_request: PendingRequest, pullable: dict[ReplicaID, int]) -> None:
+        """Tell a generate call which replica holds the longest prefix of its prompt (in
+        its device and host tiers, the tokens it can send): wherever Serve sends it, that
+        replica may pull the prefix from there instead of computing it (route here, pull
+        from there; the ranking already credited that pull)."""
+        if pending_request.metadata.call_method != "generate" or not pullable:
             return
-        holder, tokens = max(cached.items(), key=lambda item: item[1])
+        holder, tokens = max(pullable.items(), key=lambda item: item[1])
         if tokens > 0:
             pending_request.kwargs[PULL_HINT_KWARG] = (holder.unique_id, tokens)
 

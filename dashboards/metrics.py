@@ -110,8 +110,10 @@ LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters"
 # A router sync exchange: done; done but some peer events were dropped before this router
 # read them; or the hub could not be reached.
 SYNC_OUTCOMES = ("ok", "lost", "failed")
+# holder_gone: the holder was not running or died under the pull (found at once, not at the
+# timeout); failed: any other error (an unreachable holder, a full object store).
 KV_PULL_OUTCOMES = ("pulled", "partial", "not_worth", "too_big", "evicted", "refused",
-                    "timeout", "failed")
+                    "timeout", "holder_gone", "failed")
 _ENGINE_LABELS = (LABEL_MODEL, LABEL_REPLICA)
 
 # vLLM's bucket edges (seconds).
@@ -231,7 +233,7 @@ REPLICA_STARTUP_BYTES_COPIED = _gauge(
 KV_PULLS = _counter(
     "kv_pulls", "Prefix pulls this replica considered or made from another replica's KV, by "
     "outcome (KV_PULL_OUTCOMES): pulled, partial, not_worth, too_big, evicted, refused, "
-    "timeout, failed; every outcome but pulled and partial computes the prefix.",
+    "timeout, holder_gone, failed; every outcome but pulled and partial computes the prefix.",
     labels=(*_ENGINE_LABELS, LABEL_OUTCOME), vllm=False)
 KV_PULL_BYTES = _counter(
     "kv_pull_bytes", "KV bytes this replica received from other replicas' caches.",

@@ -5,17 +5,21 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    holds the longest prefix of the prompt, and how many tokens
     receiver (`KVPuller.pull`)     counts the prefix it holds itself; when the holder's is
                                    longer by enough that a pull beats computing
-                                   (deploy/kv_pull_cost.py), it calls the holder's
+                                   (autoscale/kv_pull_cost.py), it calls the holder's
                                    `export_kv_blocks` through a handle to its own deployment
                                    with `route_to_replica` naming the holder (the router ranks
                                    only that replica), within `timeout_s`
-    holder (`export_chunks`)       copies the blocks between its engine's steps, a chunk of at
-                                   most CHUNK_BYTES per step, and `ray.put`s each chunk
+    holder (`export_chunks`)       copies the blocks, a chunk of at most CHUNK_BYTES at a
+                                   time: off its engine thread without waiting for a step
+                                   where it can (CPU), else between two of its steps; and
+                                   `ray.put`s each chunk
     receiver                       reads the chunks' refs and imports each into its host tier,
                                    from where the engine's onboarding copies them to the device
 
 Anything short of success (a timeout, a holder that died, evicted the blocks, or runs another
-layout, a pull bigger than `max_bytes`) leaves the request to compute its prefix: a pull only
+layout, a pull bigger than `max_bytes`) leaves the request to compute its prefix. A holder
+that is gone fails at once, not at the timeout: the router refuses a call naming a replica it
+no longer runs (RouteTargetGone), and a holder dying under the call raises ActorDiedError: a pull only
 ever adds blocks whose stable hashes match the prompt, so it cannot change a token. Every
 pull's outcome is counted (`kv_pulls{outcome}`, `kv_pull_bytes`).
 """
@@ -29,17 +33,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 from ray.serve.exceptions import RayServeException
 
-from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
+from iterserve.autoscale.kv_pull_cost import BandwidthMeter, pull_beats_compute
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.replica.block_keys import CacheNamespace
 from iterserve.replica.errors import EngineError
 from iterserve.replica.kv_transfer import (
     KVBlockPayload,
     KVTransferRefused,
+    can_export_unlocked,
     export_blocks,
+    export_blocks_unlocked,
     import_blocks,
     layout_key,
     num_held_blocks,
@@ -82,23 +90,54 @@ class PullHint:
 async def export_chunks(engine: Any, token_ids: Sequence[int], namespace: CacheNamespace,  # noqa: ANN401
                         first_block: int, max_bytes: int) -> list[ray.ObjectRef]:
     """The holder's side: the prompt's blocks from first_block on, at most max_bytes, as
-    object refs of KVBlockPayload chunks; each chunk is copied on the engine thread between
-    two steps and put into the object store off it. Empty: it holds none of them now."""
+    object refs of KVBlockPayload chunks, each put into the object store off the engine
+    thread. Where the engine allows (kv_transfer.can_export_unlocked: CPU, no async
+    scheduling) a chunk is copied off the engine thread too, without waiting for its step
+    boundary, its blocks checked against the writes planned meanwhile; a chunk that ends
+    short there (a block being written) is finished between two steps. Elsewhere every
+    chunk is copied on the engine thread between two steps. Empty: it holds none of them."""
+    unlocked = can_export_unlocked(engine.engine)
     refs: list[ray.ObjectRef] = []
     sent = 0
     while sent < max_bytes:
         budget = min(CHUNK_BYTES, max_bytes - sent)
-        payload: KVBlockPayload | None = await engine.call(
-            lambda e, first=first_block, budget=budget: export_blocks(
-                e, token_ids, namespace, first, budget))
+        payload: KVBlockPayload | None = None
+        if unlocked:
+            payload = await asyncio.to_thread(export_blocks_unlocked, engine.engine,
+                                              token_ids, namespace, first_block, budget)
+        if payload is None or _ends_short(payload, budget):
+            payload = await _export_at_step_boundary(engine, token_ids, namespace,
+                                                     first_block, budget, payload)
         if payload is None or payload.num_blocks == 0:
             break
         refs.append(await asyncio.to_thread(ray.put, payload))
         sent += payload.nbytes
         first_block += payload.num_blocks
-        if payload.num_blocks < budget // payload.layout.bytes_per_block:
+        if _ends_short(payload, budget):
             break  # the chain ended here: asking again would only wait for another step
     return refs
+
+
+def _ends_short(payload: KVBlockPayload, budget: int) -> bool:
+    return payload.num_blocks < budget // payload.layout.bytes_per_block
+
+
+async def _export_at_step_boundary(engine: Any, token_ids: Sequence[int],  # noqa: ANN401
+                                   namespace: CacheNamespace, first_block: int, budget: int,
+                                   head: KVBlockPayload | None) -> KVBlockPayload | None:
+    """The chunk copied on the engine thread between two steps; `head`: the blocks the
+    unlocked copy already took from first_block on, the rest appended to them."""
+    start = first_block + (head.num_blocks if head is not None else 0)
+    left = budget - (head.nbytes if head is not None else 0)
+    tail: KVBlockPayload | None = await engine.call(
+        lambda e: export_blocks(e, token_ids, namespace, start, left))
+    if head is None or head.num_blocks == 0:
+        return tail
+    if tail is None or tail.num_blocks == 0:
+        return head
+    return KVBlockPayload(head.layout, namespace, first_block,
+                          head.stable_hashes + tail.stable_hashes,
+                          np.concatenate((head.kv, tail.kv)))
 
 
 @dataclass
@@ -171,11 +210,14 @@ class KVPuller:
                                        holder), self.config.timeout_s)
         except asyncio.TimeoutError:
             return "timeout", 0
+        except (RouteTargetGone, ActorDiedError) as error:
+            logger.info("a pull from %s found it gone, computing instead: %r", holder, error)
+            return "holder_gone", 0
         except KVTransferRefused as error:
             logger.warning("a pull from %s refused: %s", holder, error)
             return "refused", 0
         except (RayError, RayServeException, OSError, EngineError) as error:
-            # a holder gone, a full object store, this engine stopped meanwhile
+            # a holder unreachable for now, a full object store, this engine stopped
             logger.info("a pull from %s failed, computing instead: %r", holder, error)
             return "failed", 0
         self.bandwidth.record(nbytes, time.monotonic() - start)

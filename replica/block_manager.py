@@ -333,6 +333,7 @@ class BlockManager(KVTierPlans):
         for block_id in taken:
             key = keys[block_id]
             if key is not None:
+                self.device_writes.open(block_id)  # before it leaves: see kv_write_generations
                 del cached[key]
                 if self.host is not None:  # first: the listener keeps a block the tier took
                     self._store_in_host(block_id, key)

@@ -33,6 +33,7 @@ from iterserve.replica.block_keys import BlockHash, BlockTokens
 from iterserve.replica.disk_kv_tier import DiskKVTier
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
+from iterserve.replica.kv_write_generations import WriteGenerations
 
 # Per cached block with a host tier: its parent's hash, its tokens, and its stable chain hash
 # (0 without a disk tier: nothing reads it).
@@ -76,6 +77,10 @@ class KVTierPlans:
             raise ValueError("a disk KV tier needs a host KV tier above it")
         self.host = host
         self.disk = disk
+        # The writes each step plans into device blocks and host slots, for readers off the
+        # engine thread (replica/kv_write_generations.py, replica/kv_transfer.py).
+        self.device_writes = WriteGenerations(num_blocks)
+        self.host_writes = WriteGenerations(host.num_slots if host is not None else 0)
         self.host_queries = 0  # prompt tokens the device missed, looked up in the host tier
         self.host_hits = 0  # prompt tokens found there
         self.disk_queries = 0  # prompt tokens the device and the host missed
@@ -105,6 +110,7 @@ class KVTierPlans:
         self.host.record_hit(slot)
         self._from_disk.discard(slot)
         block_id = self._take_free(1)[0]
+        self.device_writes.open(block_id)  # before its key names it: the copy lands later
         self.block_keys[block_id] = entry.key
         self.cached_blocks[entry.key] = block_id
         self.block_origins[block_id] = (entry.parent, entry.tokens, entry.stable)
@@ -122,6 +128,7 @@ class KVTierPlans:
             return
         slot = self.host.store(HostEntry(key, *origin))
         if slot is not None:
+            self.host_writes.open(slot)
             self.kv_stores.append((block_id, slot))
             self._written_slots[slot] = block_id
 
@@ -145,6 +152,7 @@ class KVTierPlans:
         slot = self.host.store(entry)
         if slot is None:
             return False
+        self.host_writes.open(slot)
         self.host.pin(slot)
         self._written_slots[slot] = None  # not spilled from a device block if evicted
         self.kv_disk_loads.append((slot, payload))
@@ -158,6 +166,15 @@ class KVTierPlans:
         slot = host_slot(hit)
         return (all(written != slot for _, written in self.kv_stores)
                 and all(written != slot for written, _ in self.kv_disk_loads))
+
+    def take_opened_writes(self) -> tuple[list[int], list[int]]:
+        """The (device block, host slot) writes planned since the last step, handed to the
+        step that runs them; `close_writes` once it has finished."""
+        return self.device_writes.take_opened(), self.host_writes.take_opened()
+
+    def close_writes(self, opened: tuple[list[int], list[int]]) -> None:
+        self.device_writes.close(opened[0])
+        self.host_writes.close(opened[1])
 
     # ------------------------------------------------------------------------------ disk
     def stable_hash_of(self, hit: int) -> int:
@@ -184,6 +201,7 @@ class KVTierPlans:
         if payload is None:
             return None  # counted by the disk tier: the block is computed
         slot = host.store(HostEntry(key, parent, tokens, stable))
+        self.host_writes.open(slot)
         host.pin(slot)
         self._written_slots[slot] = None
         self._from_disk.add(slot)

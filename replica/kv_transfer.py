@@ -20,7 +20,11 @@ before its forward, counting them as cached tokens. An import therefore needs a 
 Both sides run on the engine thread, between steps (`AsyncLLMEngine.call`): the holder copies
 at most `max_bytes` per call, so a long prefix is exported as several chunks and the holder's
 batch waits for one chunk's copy at a time, never for the whole transfer. A block whose
-planned copy has not landed yet (a step that was empty) ends the export there.
+planned copy has not landed yet (a step that was empty) ends the export there. Where the
+engine runs on CPU without async scheduling, the holder may also copy from any thread,
+mid-step (`export_blocks_unlocked`): cached blocks' bytes change only after the engine
+thread has counted a write into them (replica/kv_write_generations.py), so a block whose
+count is unchanged across the copy was copied whole, and one written meanwhile is left out.
 
 The same two calls are what a prefill/decode split would use: a prefill replica exports a
 finished prompt's blocks (`export_blocks` over the prompt), a decode replica imports them
@@ -54,6 +58,8 @@ from iterserve.replica.host_kv_index import HostEntry
 from iterserve.replica.host_kv_tier import block_major
 
 if TYPE_CHECKING:
+    from iterserve.replica.block_manager import BlockManager
+    from iterserve.replica.kv_write_generations import WriteGenerations
     from iterserve.replica.llm_engine import LLMEngine
 
 
@@ -179,7 +185,84 @@ def export_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheN
         if hit is None:
             break
         hits.append(hit)
-    kv = np.empty((len(hits), layout.bytes_per_block), dtype=np.uint8)
+    kv = _copy_hits(engine, hits, layout.bytes_per_block)
+    stable = tuple(block.stable for block in chain[first_block : first_block + len(hits)])
+    return KVBlockPayload(layout, namespace, first_block, stable, kv)
+
+
+def can_export_unlocked(engine: LLMEngine) -> bool:
+    """Whether `export_blocks_unlocked` may run off the engine thread: on CPU without async
+    scheduling, where a step's copies and forward have run when the step finishes (on CUDA
+    they may still be queued then, so exports wait for the step boundary there)."""
+    runner = engine.runner
+    kv_caches = getattr(runner, "kv_caches", None)
+    return (layout_key(engine) is not None and not engine.config.async_scheduling
+            and bool(kv_caches) and kv_caches[0][0].device.type == "cpu")
+
+
+def export_blocks_unlocked(engine: LLMEngine, token_ids: Sequence[int],
+                           namespace: CacheNamespace, first_block: int,
+                           max_bytes: int) -> KVBlockPayload:
+    """export_blocks from any thread, without waiting for the engine's step boundary (only
+    where can_export_unlocked): each block's write count (replica/kv_write_generations.py)
+    is read before and after the copy, and the payload ends at the first block that was
+    being written, had left its tier, or was written while copied: a block evicted
+    meanwhile is left out, never sent with another block's bytes."""
+    layout = layout_key(engine)
+    manager = engine.block_manager
+    chain = prompt_chain(token_ids, namespace, layout.block_size)
+    limit = min(len(chain), first_block + max(0, max_bytes) // layout.bytes_per_block)
+    hits: list[int] = []
+    counts: list[int] = []
+    for block in chain[first_block:limit]:
+        seen = _stable_hit(manager, block)
+        if seen is None:
+            break
+        hits.append(seen[0])
+        counts.append(seen[1])
+    kv = _copy_hits(engine, hits, layout.bytes_per_block)
+    kept = 0
+    for hit, count in zip(hits, counts, strict=True):
+        if not _writes(manager, hit).unchanged(_index(hit), count):
+            break  # written while copied: this block and the rest are computed
+        kept += 1
+    stable = tuple(block.stable for block in chain[first_block : first_block + kept])
+    return KVBlockPayload(layout, namespace, first_block, stable, kv[:kept])
+
+
+def _stable_hit(manager: BlockManager, block: ChainBlock) -> tuple[int, int] | None:
+    """(where the block is, its write count) when it sits in a tier with no write open
+    into it, else None. The count is read between two lookups that agree: a block that
+    left its place before the count was read is not taken for the one now there."""
+    hit = _lookup(manager, block)
+    if hit is None:
+        return None
+    count = _writes(manager, hit).stable(_index(hit))
+    if count is None or _lookup(manager, block) != hit:
+        return None
+    return hit, count
+
+
+def _lookup(manager: BlockManager, block: ChainBlock) -> int | None:
+    """_held without touching anything (dict reads only): safe beside the engine thread."""
+    hit = manager.cached_blocks.get(block.key)
+    if hit is None and manager.host is not None:
+        slot = manager.host.lookup(block.key)
+        hit = None if slot is None else host_hit(slot)
+    return hit
+
+
+def _writes(manager: BlockManager, hit: int) -> WriteGenerations:
+    return manager.device_writes if hit >= 0 else manager.host_writes
+
+
+def _index(hit: int) -> int:
+    return hit if hit >= 0 else host_slot(hit)
+
+
+def _copy_hits(engine: LLMEngine, hits: list[int], bytes_per_block: int) -> np.ndarray:
+    """The hits' bytes, one row each, device blocks and host slots alike."""
+    kv = np.empty((len(hits), bytes_per_block), dtype=np.uint8)
     runner = engine.runner
     rows = torch.from_numpy(kv)  # the same memory
     on_device = [row for row, hit in enumerate(hits) if hit >= 0]
@@ -188,11 +271,10 @@ def export_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheN
         _gather(runner.kv_caches, [hits[row] for row in on_device], rows, on_device)
     if in_host:
         tier = runner.host_tier
-        tier.wait_for_copies()
+        tier.wait_for_copies()  # on CUDA (the engine thread's exports only)
         _gather(list(zip(tier.keys, tier.values, strict=True)),
                 [host_slot(hits[row]) for row in in_host], rows, in_host)
-    stable = tuple(block.stable for block in chain[first_block : first_block + len(hits)])
-    return KVBlockPayload(layout, namespace, first_block, stable, kv)
+    return kv
 
 
 def _gather(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: list[int],

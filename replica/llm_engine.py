@@ -310,6 +310,7 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
                      runner_output: RunnerOutput) -> list[RequestOutput]:
         """Fill in a step's sampled tokens, stream them, and forget what finished. Under
         async scheduling this runs a step late: a request may have ended meanwhile."""
+        self.scheduler.block_manager.close_writes(scheduler_output.kv_writes)
         self._record_prompt_logprobs(runner_output)
         failed = [s.request for s in scheduler_output.scheduled
                   if s.request.request_id in runner_output.failed and not s.request.is_finished]

@@ -80,6 +80,9 @@ class SchedulerOutput:
     # back from disk into host slots (slot, payload), written before the loads copy them on.
     kv_spills: list[DiskSpill] = field(default_factory=list)
     kv_disk_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # The (device block, host slot) writes this step's copies and forward make, closed when
+    # it has finished (replica/kv_write_generations.py).
+    kv_writes: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
     @property
     def is_empty(self) -> bool:

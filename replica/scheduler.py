@@ -201,6 +201,7 @@ class Scheduler:
             # (blocks read from disk for a request not admitted) wait, pinned, for the next
             output.kv_spills, output.kv_disk_loads = self.block_manager.take_disk_copies()
             output.kv_stores, output.kv_loads = self.block_manager.take_kv_copies()
+            output.kv_writes = self.block_manager.take_opened_writes()
         return output
 
     def _plannable(self, request: Request) -> bool:

@@ -32,12 +32,13 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.kv_pull_cost import credit_pulls
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
 from iterserve.autoscale.lora_affinity import prefer_adapter_holders, waiting_counts
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
-from iterserve.autoscale.sim.kv_pull import SimKVPulls, credit_pulls, pull_fraction
+from iterserve.autoscale.sim.kv_pull import SimKVPulls, pull_fraction
 from iterserve.autoscale.sim.prefix import prompt_namespace
 from iterserve.autoscale.sim.routing_context import ReplicaView, RouteRequest, RoutingContext
 

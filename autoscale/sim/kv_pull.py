@@ -18,15 +18,16 @@ device blocks into a send buffer longer (`holder_copy_gb_s`; host-tier blocks ar
 host memory). The pulled blocks land in the receiver's prefix cache as free, findable blocks
 (`SimBlockManager.land_blocks`), where its own lookup finds them at admission.
 
-The router's side (`credit_pulls`, a pure function): a replica that holds less of a prompt
-than the best holder offered is credited the difference at (1 - its pull cost as a share of
-prefilling it), as `kv_tier_costs.charged_hit` credits a host-tier hit: an overloaded holder
-loses to a lightly loaded replica plus a pull when that is cheaper than queuing there.
+The router's side (`credit_pulls`, pure, in autoscale/kv_pull_cost.py: the live router uses
+it too): a replica that holds less of a prompt than the best holder offered is credited
+the difference at (1 - its pull cost as a share of prefilling it), as
+`kv_tier_costs.charged_hit` credits a host-tier hit: an overloaded holder loses to a lightly
+loaded replica plus a pull when that is cheaper than queuing there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -101,28 +102,6 @@ def pull_fraction(pulls: SimKVPulls, num_tokens: int, kv_bytes_per_token: int,
         return 1.0
     prefill_s = num_tokens / prefill_tokens_per_s
     return min(1.0, pulls.pull_seconds(num_tokens, kv_bytes_per_token) / prefill_s)
-
-
-def credit_pulls(charged: Mapping[R, int], pullable: Mapping[R, int], held: Mapping[R, int],
-                 replica_ids: Sequence[R], fraction: Callable[[R, int], float]) -> dict[R, int]:
-    """The cache answers a pull-aware router scores with. charged: each replica's own
-    prefix worth in prefill tokens saved (the router's usual answer); pullable: the leading
-    tokens each replica could send (device and host tiers); held: the leading tokens each
-    replica's own lookup finds; fraction(replica, tokens): what pulling that many tokens to
-    it costs as a share of prefilling them. Each replica is worth the most of its own answer
-    and its own plus the best other holder's extra tokens at (1 - fraction)."""
-    ranked = sorted(pullable.items(), key=lambda item: -item[1])[:2]
-    answers = {rid: tokens for rid, tokens in charged.items() if tokens > 0}
-    for rid in replica_ids:
-        best = next((tokens for holder, tokens in ranked if holder != rid), 0)
-        extra = best - held.get(rid, 0)
-        if extra <= 0:
-            continue
-        share = fraction(rid, extra)
-        if share < 1.0:
-            credited = charged.get(rid, 0) + round(extra * (1.0 - share))
-            answers[rid] = max(answers.get(rid, 0), credited)
-    return answers
 
 
 def can_ever_run(spec: WorkloadRequest, replica: SimulatedReplica) -> bool:

@@ -1,19 +1,22 @@
 """The router's side of prefix pulls (autoscale/router.py), built by hand with no Ray
 processes: a generate call is told which replica holds its prompt's longest prefix, and a call
 naming a replica in `route_to_replica` reaches that replica alone. And the pull's cost rule
-(deploy/kv_pull_cost.py)."""
+(autoscale/kv_pull_cost.py), which the ranking uses to price a pull (autoscale/pull_pricing.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from block_hash_oracle import prompt_block_hashes
 from test_router_cache_reports import BLOCK, PROMPT, _FakeReplica, _pending, _router, load
 
+from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.kv_pull_cost import BandwidthMeter, pull_beats_compute
+from iterserve.autoscale.route_target_gone import RouteTargetGone
 from iterserve.autoscale.router import PULL_HINT_KWARG, ROUTE_TO_KWARG
 from iterserve.deploy.kv_pull import PullHint
-from iterserve.deploy.kv_pull_cost import BandwidthMeter, pull_beats_compute
 
 
 def _replicas() -> list[_FakeReplica]:
@@ -51,9 +54,26 @@ def test_a_call_routed_to_a_replica_reaches_it_alone_or_nothing() -> None:
         ranks = asyncio.run(router.choose_replicas(replicas, pending))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [[target]]
         assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)
-    gone = _generate_call(PROMPT, "gone", **{ROUTE_TO_KWARG: "a-dead-replica"})
-    assert asyncio.run(router.choose_replicas(replicas, gone)) == []
-    assert gone.routing_context.should_backoff
+
+
+def test_a_call_routed_to_a_replica_that_is_gone_fails_at_once() -> None:
+    """Through Serve's own routing loop (RequestRouter._choose_replica_for_request, what a
+    handle call awaits): a call naming a replica that is not running fails with
+    RouteTargetGone within a second. Before, Serve retried it with backoff until its caller
+    gave up: a pull from a dead holder waited out the whole --kv-pull-timeout-s."""
+
+    async def route(target: str) -> str:
+        router, replicas = _router(kv_pull_hints=True), _replicas()
+        router.update_replicas(replicas)
+        pending = _generate_call(PROMPT, f"to-{target}", **{ROUTE_TO_KWARG: target})
+        pending.reset_future()  # a future on this test's loop, as Serve makes one
+        chosen = await asyncio.wait_for(router._choose_replica_for_request(pending), 1.0)
+        assert not router._pending_requests_by_id  # nothing left behind in Serve's index
+        return chosen.replica_id.unique_id
+
+    assert asyncio.run(route("holder")) == "holder"
+    with pytest.raises(RouteTargetGone, match="a-dead-replica"):
+        asyncio.run(route("a-dead-replica"))
 
 
 def test_a_pull_pays_when_its_bytes_move_faster_than_the_tokens_compute() -> None:
@@ -97,3 +117,51 @@ def test_serve_refuses_pulls_that_cannot_fit_its_object_store(capsys: pytest.Cap
             "--kv-pull-max-bytes", str(200 * 2**20)]
     assert cli_serve.run(argv) == 2  # before Ray starts: the default store is 256 MiB
     assert "does not fit twice in --object-store-memory" in capsys.readouterr().err
+
+
+def _busy(hashes: list[int], waiting: int) -> dict:
+    from iterserve.autoscale.signals import ReplicaLoad
+
+    plain = ReplicaLoad(kv_usage=0.3, num_waiting=waiting, num_running=4, num_free_blocks=700,
+                        num_total_blocks=1000, step_token_rate=0.0, timestamp=time.time(),
+                        prefill_token_rate=2000.0)
+    return plain.with_cached_blocks(hashes, BLOCK).to_dict()
+
+
+def _first_choice(waiting: int, **config: object) -> str:
+    router = _router(**config)
+    replicas = [_FakeReplica("holder", _busy(prompt_block_hashes(PROMPT, BLOCK), waiting)),
+                _FakeReplica("idle", _busy([], 0))]
+    ranks = asyncio.run(router.choose_replicas(replicas, _generate_call(PROMPT, "r")))
+    return ranks[0][0].replica_id.unique_id
+
+
+def test_the_live_router_prices_a_pull_from_a_busy_holder() -> None:
+    """With pulls on, an idle replica is worth what it would save by pulling the prompt
+    from the holder (kv_pull_cost.credit_pulls, the simulator's rule): a holder 4 requests
+    deep loses the request to it, while pulls off (the prefix charged as a recompute there)
+    keep it on the holder; a holder with nothing waiting keeps it either way."""
+    smollm2 = {"kv_bytes_per_token": 46080}  # 640 tokens: 29 MB, 79 ms at 500 MB/s vs 320 ms
+    assert _first_choice(4, kv_pull_hints=False, **smollm2) == "holder"
+    assert _first_choice(4, kv_pull_hints=True, **smollm2) == "idle"
+    assert _first_choice(0, kv_pull_hints=True, **smollm2) == "holder"
+    # A pull slower than the prefill it saves (4 MB a token: 5 s) earns no credit.
+    assert _first_choice(4, kv_pull_hints=True, kv_bytes_per_token=4_000_000) == "holder"
+
+
+def test_pull_credit_is_the_saving_and_the_hint_the_tokens_a_holder_can_send() -> None:
+    from iterserve.autoscale.pull_pricing import with_pull_credit
+    from iterserve.autoscale.signals import ReplicaLoad
+
+    config = RouterConfig(kv_bytes_per_token=46080, prefill_tokens_per_s=2000.0)
+    loads: dict[str, ReplicaLoad | None] = {"holder": None, "idle": None}
+    # holder: 400 on the device, 240 in its host tier (charged 600 by the tier costs)
+    credited = with_pull_credit({"holder": 600}, {"holder": [400, 240, 0], "idle": [0, 0, 0]},
+                                ["holder", "idle"], loads, config)
+    pull_s = 0.02 + 640 * 46080 / 500e6
+    assert credited["holder"] == 600
+    assert credited["idle"] == round(640 * (1 - pull_s / (640 / 2000.0)))
+    router = _router(kv_pull_hints=True, kv_bytes_per_token=46080)
+    pending = _generate_call(PROMPT, "hint")
+    asyncio.run(router.choose_replicas(_replicas(), pending))
+    assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)  # tokens, not credit

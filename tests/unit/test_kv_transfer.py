@@ -147,3 +147,43 @@ def test_imports_that_push_host_blocks_to_disk_spill_their_bytes_first(
     again, cached = run(receiver, other)
     assert again == other_computed and cached > 0
     assert receiver.block_manager.disk_hits > 0
+
+
+def test_a_pull_from_a_holder_that_is_gone_computes_at_once(model_path: str) -> None:
+    """The receiver's KVPuller (deploy/kv_pull.py) on a real engine: a holder the router no
+    longer runs (RouteTargetGone) or one that dies under the call (Ray's ActorDiedError)
+    is counted holder_gone and the request computes now, not at the pull's timeout."""
+    import asyncio
+    import time
+
+    from ray.exceptions import ActorDiedError
+
+    from iterserve.autoscale.route_target_gone import RouteTargetGone
+    from iterserve.deploy.kv_pull import KVPullConfig, KVPuller, PullHint
+    from iterserve.replica import AsyncLLMEngine
+
+    async def pull_from_gone_holder(error: Exception) -> tuple[str | None, float, list[int]]:
+        async def export_call(*_: object) -> list[object]:
+            raise error
+
+        config = EngineConfig.from_kwargs(model=model_path, block_size=BLOCK,
+                                          num_gpu_blocks_override=32,
+                                          kv_offloading_size=TIER_GIB)
+        receiver = AsyncLLMEngine(config)
+        try:
+            puller = KVPuller(receiver, KVPullConfig("always", timeout_s=30.0), "receiver",
+                              export_call, lambda outcome, nbytes: None)
+            start = time.monotonic()
+            outcome = await puller.pull(prompt(), b"", PullHint("holder", 80))
+            elapsed = time.monotonic() - start
+            tokens = await receiver.call(lambda e: run(e, prompt())[0])
+            return outcome, elapsed, tokens
+        finally:
+            receiver.shutdown()
+
+    computed, _ = run(engine(model_path), prompt())
+    for error in (RouteTargetGone("holder"), ActorDiedError()):
+        outcome, elapsed, tokens = asyncio.run(pull_from_gone_holder(error))
+        assert outcome == "holder_gone"
+        assert elapsed < 1.0  # the timeout is 30 s
+        assert tokens == computed

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import random
 
+from iterserve.autoscale.kv_pull_cost import credit_pulls
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.block_manager import SimBlockManager
 from iterserve.autoscale.sim.cluster import simulate
@@ -16,7 +17,6 @@ from iterserve.autoscale.sim.iterserve_router import IterserveRouter
 from iterserve.autoscale.sim.kv_pull import (
     KVPulls,
     SimKVPulls,
-    credit_pulls,
     prompt_chain,
     pull_fraction,
     worth_pulling,

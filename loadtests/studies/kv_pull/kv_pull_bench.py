@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.kv_pull_cost import pull_beats_compute
 from iterserve.autoscale.percentile import percentile
-from iterserve.deploy.kv_pull_cost import pull_beats_compute
 from iterserve.replica.sampling_params import SamplingParams
 
 ARMS = ("pull", "host", "recompute")
