@@ -44,8 +44,6 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [N, B, Hkv, D] 
 # the test suite builds many: dynamo's default of 8 per function would silently run the rest
 # eagerly, 60x slower than the loop.
 RECOMPILE_LIMIT = 64
-# (sequences, KV blocks each) of the warm-up call that compiles the dynamic decode graph.
-WARM_UP_BATCH = (32, 16)
 
 
 def decode_work(seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int) -> np.ndarray:
@@ -180,17 +178,13 @@ class CpuAttention:
         if self._compiled_decode() is None:
             return
         k_cache, v_cache = kv_cache
-        head_dim, block_size = k_cache.shape[3], k_cache.shape[1]
-        # Dynamo compiles one sequence apart from the dynamic sizes. The second call's sizes
-        # are the hints inductor sizes its loops by: a batch as large as a real one, or it
-        # runs the softmax loop on one thread (omp single) and the decode is 1.1-1.2x slower
-        # at 32 sequences on two threads. Every pair reads block 0: only reads, any size.
-        for num_seqs, blocks_each in ((1, 1), WARM_UP_BATCH):
+        head_dim = k_cache.shape[3]
+        for num_seqs in (1, 2):  # dynamo compiles 1 apart from the dynamic size
             fused = torch.zeros((num_seqs, fused_heads or num_heads, head_dim), dtype=dtype)
             query = fused[:, :num_heads]  # [S, Hq, D]
-            seq_lens = np.full(num_seqs, blocks_each * block_size, dtype=np.int32)
-            tables = np.zeros((num_seqs, blocks_each), dtype=np.int32)
-            work = torch.from_numpy(decode_work(seq_lens, tables, block_size))
+            seq_lens = np.ones(num_seqs, dtype=np.int32)
+            tables = np.zeros((num_seqs, 1), dtype=np.int32)
+            work = torch.from_numpy(decode_work(seq_lens, tables, k_cache.shape[1]))
             self._decode(query, k_cache, v_cache, work, scale or head_dim**-0.5)
         self.compile_seconds = time.perf_counter() - start
 
