@@ -176,8 +176,9 @@ class RouterConfig(BaseModel):
     )
     kv_bytes_per_token: int = Field(
         131072, ge=1,
-        description="KV bytes per token of the served model, for the tiers' copy times "
-        "(131072: Llama-3-8B in bf16, 2 x 32 layers x 8 KV heads x 128 x 2 B).",
+        description="KV bytes per token assumed for a replica that reports none (replicas "
+        "report their own cache's; the simulator's do not), for the tiers' and pulls' copy "
+        "times (131072: Llama-3-8B in bf16, 2 x 32 layers x 8 KV heads x 128 x 2 B).",
     )
     prefill_tokens_per_s: float = Field(
         34000.0, gt=0.0,

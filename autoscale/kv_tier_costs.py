@@ -36,9 +36,18 @@ def tier_fractions(load: ReplicaLoad | None, config: RouterConfig) -> tuple[floa
     rate = load.prefill_token_rate if load is not None and load.prefill_token_rate > 0 \
         else config.prefill_tokens_per_s
     bandwidth = {HOST: config.host_kv_read_gb_s, DISK: config.disk_kv_read_gb_s}
+    token_bytes = kv_bytes_per_token(load, config)
     return tuple(0.0 if tier not in bandwidth else
-                 min(1.0, config.kv_bytes_per_token * rate / (bandwidth[tier] * GB))
+                 min(1.0, token_bytes * rate / (bandwidth[tier] * GB))
                  for tier in KV_TIERS)
+
+
+def kv_bytes_per_token(load: ReplicaLoad | None, config: RouterConfig) -> int:
+    """The KV bytes of one token on this replica: what it reports, else the config's
+    assumption (a replica that reports none: the simulator's, an older one)."""
+    if load is not None and load.kv_bytes_per_token > 0:
+        return load.kv_bytes_per_token
+    return config.kv_bytes_per_token
 
 
 def charged_hit(tokens_per_tier: Sequence[int], fractions: Sequence[float]) -> int:

@@ -19,6 +19,7 @@ from iterserve.autoscale.kv_pull_cost import (
     credit_pulls,
     pull_fraction,
 )
+from iterserve.autoscale.kv_tier_costs import kv_bytes_per_token
 from iterserve.autoscale.signals import ReplicaLoad
 
 
@@ -38,7 +39,7 @@ def with_pull_credit(charged: Mapping[Hashable, int], tiers: Mapping[Hashable, S
         load = loads.get(rid)
         rate = (load.prefill_token_rate if load is not None and load.prefill_token_rate > 0
                 else config.prefill_tokens_per_s)
-        return pull_fraction(num_tokens, config.kv_bytes_per_token,
+        return pull_fraction(num_tokens, kv_bytes_per_token(load, config),
                              ASSUMED_BANDWIDTH_BYTES_PER_S, rate)
 
     return credit_pulls(charged, pullable_tokens(tiers),

@@ -81,14 +81,17 @@ class ReplicaLoad:
     lora_running: frozenset[str] = frozenset()
     max_loras: int = 0
     lower_tier_hashes: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    # KV bytes a token of its cache takes (0: not reported; RouterConfig.kv_bytes_per_token
+    # is assumed then): the copies the router prices (kv_tier_costs.py, pull_pricing.py).
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage <= 1.0 or math.isnan(self.kv_usage):
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
         if self.num_waiting < 0 or self.num_running < 0 or self.queued_prefill_tokens < 0 \
-                or self.max_loras < 0:
-            raise ValueError("num_waiting, num_running, queued_prefill_tokens and max_loras "
-                             "must be >= 0")
+                or self.max_loras < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("num_waiting, num_running, queued_prefill_tokens, max_loras and "
+                             "kv_bytes_per_token must be >= 0")
         if not 0 <= self.num_free_blocks <= max(self.num_total_blocks, 0):
             raise ValueError(
                 f"num_free_blocks ({self.num_free_blocks}) must be in "
@@ -129,6 +132,7 @@ class ReplicaLoad:
             queued_prefill_tokens=int(stats.queued_prefill_tokens),
             lora_running=frozenset(stats.running_lora_adapters),
             max_loras=int(stats.max_loras),
+            kv_bytes_per_token=int(stats.kv_bytes_per_token),
         )
 
     def with_cached_blocks(self, hashes: Mapping[str, Iterable[int]] | Iterable[int] | None,
@@ -178,6 +182,7 @@ class ReplicaLoad:
                 lora_adapters=_adapters_of(data, "lora_adapters"),
                 lora_running=_adapters_of(data, "lora_running"),
                 max_loras=int(float(data.get("max_loras", 0))),
+                kv_bytes_per_token=int(float(data.get("kv_bytes_per_token", 0))),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed routing stats {dict(data)!r}: {exc}") from exc

@@ -74,6 +74,9 @@ class EngineStatsReporting:
         # Only the model runner has a host KV tier (and only when kv_offloading_size is set).
         self._host_tier: HostKVTier | None = getattr(self.runner, "host_tier", None)
         self._disk_tier: DiskKVTier | None = getattr(self.runner, "disk_tier", None)
+        # Runners with a KV layout (the model's, the simulated one) know their bytes a block.
+        bytes_per_block: int = getattr(self.runner, "kv_bytes_per_block", 0)
+        self._kv_bytes_per_token = bytes_per_block // self.config.cache.block_size
 
     def cached_block_hashes(self) -> dict[str, list[int]] | None:
         """Per KV tier ("device", "host", "disk"), the stable hashes (`block_hashes`) of the
@@ -125,6 +128,7 @@ class EngineStatsReporting:
             disk_errors=disk_errors,
             max_waiting_requests=self.config.scheduler.max_waiting_requests,
             finished_by_reason=dict(self.finished_by_reason),
+            kv_bytes_per_token=self._kv_bytes_per_token,
             **self._lora_stats(),
         )
 

@@ -58,6 +58,9 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # LoRA (max_loras 0: off): the adapters of the running and of the waiting requests
     max_loras: int = 0
+    # KV bytes one token takes in this engine's cache (every layer, K and V; 0: no real KV):
+    # what a router prices a copy of cached blocks by (a host-tier read, a pull).
+    kv_bytes_per_token: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 

@@ -165,3 +165,23 @@ def test_pull_credit_is_the_saving_and_the_hint_the_tokens_a_holder_can_send() -
     pending = _generate_call(PROMPT, "hint")
     asyncio.run(router.choose_replicas(_replicas(), pending))
     assert pending.kwargs[PULL_HINT_KWARG] == ("holder", 40 * BLOCK)  # tokens, not credit
+
+
+def test_a_pull_is_priced_by_the_receivers_reported_kv_bytes() -> None:
+    """The receiver's report, not the config's assumption: a model with 8x the bytes a
+    token earns no credit where the assumed size would have."""
+    from dataclasses import replace
+
+    from iterserve.autoscale.pull_pricing import with_pull_credit
+    from iterserve.autoscale.signals import ReplicaLoad
+
+    config = RouterConfig(kv_bytes_per_token=46080, prefill_tokens_per_s=2000.0)
+    base = ReplicaLoad(kv_usage=0.0, num_waiting=0, num_running=0, num_free_blocks=10,
+                       num_total_blocks=10, step_token_rate=0.0, timestamp=0.0)
+    tiers = {"holder": [640, 0, 0], "idle": [0, 0, 0]}
+    assumed = with_pull_credit({"holder": 640}, tiers, ["holder", "idle"],
+                               {"holder": None, "idle": base}, config)
+    heavy = replace(base, kv_bytes_per_token=8 * 46080)
+    reported = with_pull_credit({"holder": 640}, tiers, ["holder", "idle"],
+                                {"holder": None, "idle": heavy}, config)
+    assert assumed["idle"] > 0 and reported["idle"] == 0

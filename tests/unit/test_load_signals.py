@@ -127,3 +127,21 @@ def test_the_earlier_wire_form_and_unknown_tiers_still_read() -> None:
     assert newer.tier_hashes() == [("device", frozenset({1})), ("host", frozenset({2}))]
     with pytest.raises(ValueError, match="tiers"):
         ReplicaLoad.from_engine_stats(stats()).with_cached_blocks({"remote": [1]}, 16)
+
+
+def test_an_engine_reports_the_kv_bytes_a_token_takes_in_its_cache() -> None:
+    """Every layer's K and V of one token, in the cache's dtype: what routers price copies
+    of cached blocks by (kv_tier_costs.py, pull_pricing.py)."""
+    from iterserve.replica.config import EngineConfig
+    from iterserve.replica.llm_engine import LLMEngine
+    from iterserve.replica.loader import read_model_config
+    from iterserve.replica.make_model import default_model_path
+
+    path = default_model_path()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(path), num_gpu_blocks_override=8))
+    cfg = read_model_config(path)
+    want = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
+    reported = ReplicaLoad.from_engine_stats(engine.stats())
+    assert reported.kv_bytes_per_token == want
+    assert ReplicaLoad.from_dict(json.loads(json.dumps(reported.to_dict()))) == reported
+    assert ReplicaLoad.from_engine_stats(stats()).kv_bytes_per_token == 0  # not reported

@@ -97,3 +97,11 @@ def test_a_replica_that_leaves_has_its_report_dropped_at_once() -> None:
         assert set(parsed) == {replicas[1].replica_id}
 
     asyncio.run(run())
+
+
+def test_a_replica_is_charged_by_the_kv_bytes_its_own_cache_reports() -> None:
+    """SmolLM2 in fp32 keeps 46,080 bytes a token, not the assumed Llama-3-8B's 131,072: its
+    host tier reads cost 0.35x what the assumption would charge."""
+    reporting = replace(load(), kv_bytes_per_token=46080)
+    assert tier_fractions(reporting, RouterConfig())[1] == pytest.approx(46080 * 34000 / 25e9)
+    assert tier_fractions(load(), RouterConfig())[1] == pytest.approx(131072 * 34000 / 25e9)
