@@ -187,8 +187,11 @@ class FairSharePolicy(PriorityPolicy):
     def prefill_shares(self, running: list[Request], budget: int) -> PrefillShares | None:
         # A tenant is present with a request waiting or running (decoding included: its
         # next request is likely on its way, and would wait out a step full of the others'
-        # prompts). Tenants alone in their band, the common case, cost one pass here.
-        if not self.shares_prefill:
+        # prompts). One tenant ever seen (served or waiting) costs nothing more per step; a
+        # tenant alone among several known costs one pass over the running requests.
+        counters = self.counters
+        if not self.shares_prefill or (len(counters.counters) < 2 and (
+                not counters.backlog or counters.backlog.keys() <= counters.counters.keys())):
             return None
         tenants = {r.tenant for r in running}
         if len(tenants) < 2 and tenants.issuperset(self.counters.backlog):

@@ -68,6 +68,10 @@ def test_without_chunked_prefill_nothing_is_capped() -> None:
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
                                   enable_chunked_prefill=False, scheduler_policy="fair"),
                   BlockManager(64, 4, enable_prefix_caching=False))
-    assert s.policy.prefill_shares([request("a", 0.0), request("b", 0.0)], 256) is None
-    assert make_policy("fair", 256).prefill_shares([request("a", 0.0), request("b", 1.0)],
-                                                   256) is not None
+    running = [request("a", 0.0), request("b", 1.0)]
+    chunked = make_policy("fair", 256)
+    for policy in (s.policy, chunked):
+        for r in running:  # as their admission did
+            policy.counters.charge_prompt(r.tenant, r.tenant_weight, r.num_prompt_tokens)
+    assert s.policy.prefill_shares(running, 256) is None
+    assert chunked.prefill_shares(running, 256) is not None
