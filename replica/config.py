@@ -159,6 +159,14 @@ class SchedulerConfig:
     fair_preempts_heavier: bool = setting(
         True, "under scheduler_policy=fair, a light tenant's request may preempt a heavier "
         "tenant's older one")
+    # fair: the step in flight when a light tenant's request arrives is what its first token
+    # waits out first; while tenants contend, each one's prompts fill at most its weighted
+    # share of a step (replica/prefill_shares.py), so those steps stay short. vLLM's nearest
+    # knob, long_prefill_token_threshold, caps every request's chunk, contended or not.
+    fair_prefill_share: bool = setting(
+        True, "under scheduler_policy=fair with chunked prefill, while tenants of a priority "
+        "band have requests waiting or running, each one's prompt tokens in a step are held "
+        "to its weighted share of max_num_batched_tokens (a tenant alone takes all of it)")
     batching: str = setting("continuous", "continuous (iteration-level) or static batching",
                             choices=BATCHING_MODES)
     max_model_len: int | None = setting(None, "context length (default: the model's)")

@@ -51,6 +51,11 @@ class FairWaitingQueue:
     def peek(self) -> Request:
         return self._flows[self._next_flow()][0][-1]
 
+    def flows(self) -> Iterator[tuple[Flow, float]]:
+        """Each (band, tenant) with a request waiting, with its tenant's weight."""
+        for flow, heap in self._flows.items():
+            yield flow, heap[0][-1].tenant_weight
+
     def pop(self) -> Request:
         flow = self._next_flow()
         request = heapq.heappop(self._flows[flow])[-1]

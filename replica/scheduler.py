@@ -36,6 +36,7 @@ from iterserve.replica.block_manager import BlockManager
 from iterserve.replica.config import SchedulerConfig
 from iterserve.replica.fair_queue import FairWaitingQueue
 from iterserve.replica.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from iterserve.replica.prefill_shares import PrefillShares
 from iterserve.replica.request import Request, RequestStatus
 from iterserve.replica.scheduling_policy import SchedulingPolicy, make_policy
 from iterserve.replica.waiting_queue import WaitingQueue
@@ -60,13 +61,12 @@ class Scheduler:
         self.plans_ahead = plans_ahead  # async scheduling: see the module docstring
         self.block_manager = block_manager
         self.clock = clock
-        self.policy = policy or make_policy(config.scheduler_policy, config.max_model_len or 0,
-                                            config.fair_preempts_heavier)
+        self.policy = policy or make_policy(
+            config.scheduler_policy, config.max_model_len or 0, config.fair_preempts_heavier,
+            config.fair_prefill_share and config.enable_chunked_prefill)
         self.batching = make_batching(config, clock, block_manager)
         self.counters = self.policy.counters  # the fair policy's; None: nothing is charged
-        self.waiting: WaitingQueue | FairWaitingQueue = \
-            FairWaitingQueue(self.counters) if self.counters is not None \
-            else WaitingQueue(by_priority=self.policy.waiting_by_priority)
+        self.waiting: WaitingQueue | FairWaitingQueue = self.policy.make_waiting_queue()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
@@ -166,6 +166,7 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         try_allocate = self.block_manager.try_allocate
         planned, plans_ahead = output.scheduled, self.plans_ahead
+        shares = self.policy.prefill_shares(self.running, budget)  # None: no tenant capped
         for request, remaining in self.policy.order_running(self.running):
             if budget == 0:
                 break
@@ -173,9 +174,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.num_output_placeholders and not self._plannable(request):
                 continue  # waits for the token it is being sampled
-            # All of it (every decode) without a call; else _tokens_to_compute decides.
-            num_new = remaining if remaining <= budget else \
-                self._tokens_to_compute(remaining, budget)
+            capped = shares is not None and remaining > 1  # a prefill chunk, tenants contend
+            if capped:
+                num_new = self._tokens_to_compute(remaining, shares.tokens_left(request, budget))
+            elif remaining <= budget:
+                num_new = remaining  # all of it (every decode), without a call
+            else:
+                num_new = self._tokens_to_compute(remaining, budget)
             if num_new == 0:
                 continue
             table = try_allocate(request, num_new)
@@ -193,8 +198,10 @@ class Scheduler:
                 if samples:
                     request.num_output_placeholders += 1
             budget -= num_new
+            if capped:
+                shares.spend(request, num_new)
         if not output.preempted:
-            budget = self._admit_waiting(output, budget)
+            budget = self._admit_waiting(output, budget, shares)
         budget = self.batching.schedule_padding(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         if not output.is_empty:  # an empty step may not run (async scheduling): its copies
@@ -269,7 +276,11 @@ class Scheduler:
         output.preempted.append(request)
 
     # ---------------------------------------------------------------------------- admission
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, output: SchedulerOutput, budget: int,
+                       shares: PrefillShares | None) -> int:
+        """Admit waiting requests into what is left of the budget; `shares`: contending
+        tenants' caps (the head's tenant at its cap ends the admissions: it is the tenant
+        owed the most, and the step is meant to end short)."""
         if not self.batching.admission_open(len(self.running)):
             return budget
         self.batching.start_admission(self.waiting, len(self.running))
@@ -292,7 +303,8 @@ class Scheduler:
             hits = manager.find_cached_prefix(request)
             num_hit_tokens = len(hits) * manager.block_size
             remaining = request.num_uncomputed_tokens - num_hit_tokens
-            num_new = self._tokens_to_compute(remaining, budget)
+            num_new = self._tokens_to_compute(
+                remaining, budget if shares is None else shares.tokens_left(request, budget))
             if num_new == 0:
                 break
             if not self.policy.fits(request, num_new, hits, self.running, manager):
@@ -314,6 +326,8 @@ class Scheduler:
             self._add_to_output(output, request, num_new, num_new == remaining,
                                 manager.block_table(request.request_id))
             budget -= num_new
+            if shares is not None:
+                shares.spend(request, num_new)
             admitted += 1
             short_step = short_step or self.policy.wants_short_step(request)
         for request in reversed(adapter_waits):  # back in front, in their order

@@ -10,6 +10,9 @@ questions, each over plain values, chosen once from the config at construction:
     fits(request, num_new, hits, running, blocks)    whether a waiting request may be admitted
     wants_short_step(admitted), is_backlogged(request)   whether the step that admitted a
                                      request admits no backlogged tenant's after it (fair)
+    prefill_shares(running, budget)  each tenant's cap on this step's prefill tokens (fair;
+                                     None: no cap)
+    make_waiting_queue()             the waiting queue in the policy's order
 
     fcfs                 arrival order; when blocks run out, preempt the newest
     priority             (priority, arrival) order; preempt the lowest priority, newest first
@@ -25,7 +28,10 @@ questions, each over plain values, chosen once from the config at construction:
                          waiting, while another tenant is backlogged, admits no backlogged
                          tenant's request after it: its first token comes at the step's
                          end, which their prompts would put off (they run in the next
-                         step; the cost is one step's fixed time per such request)
+                         step; the cost is one step's fixed time per such request);
+                         while tenants of a band contend, each one's prompts take at most
+                         its weighted share of a step's budget (replica/prefill_shares.py;
+                         off with fair_prefill_share=False)
 
 A new policy is one subclass registered in POLICIES. How batches are formed (continuous or
 static) is the other, independent strategy: `replica/batching_policy.py`.
@@ -34,8 +40,11 @@ static) is the other, independent strategy: `replica/batching_policy.py`.
 from __future__ import annotations
 
 from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.fair_queue import FairWaitingQueue
+from iterserve.replica.prefill_shares import PrefillShares, step_prefill_shares
 from iterserve.replica.request import Request
 from iterserve.replica.virtual_token_counter import VirtualTokenCounters
+from iterserve.replica.waiting_queue import WaitingQueue
 
 
 def decodes_first(running: list[Request]) -> list[tuple[Request, int]]:
@@ -56,9 +65,14 @@ class SchedulingPolicy:
     waiting_by_priority = False  # the waiting queue's order: arrival, or (priority, arrival)
     counters: VirtualTokenCounters | None = None  # the fair policy's: its queue and charges
 
-    def __init__(self, max_model_len: int, preempts_heavier: bool = True) -> None:
-        """preempts_heavier: read by the fair policy alone (see the module docstring)."""
+    def __init__(self, max_model_len: int, preempts_heavier: bool = True,
+                 shares_prefill: bool = True) -> None:
+        """preempts_heavier, shares_prefill: read by the fair policy alone (see the module
+        docstring)."""
         self.max_model_len = max_model_len
+
+    def make_waiting_queue(self) -> WaitingQueue | FairWaitingQueue:
+        return WaitingQueue(by_priority=self.waiting_by_priority)
 
     def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
         return decodes_first(running)
@@ -78,6 +92,10 @@ class SchedulingPolicy:
     def is_backlogged(self, request: Request) -> bool:
         """Whether a waiting request's tenant has more requests waiting behind it."""
         return False
+
+    def prefill_shares(self, running: list[Request], budget: int) -> PrefillShares | None:
+        """Each tenant's cap on this step's prefill tokens (only the fair policy caps)."""
+        return None
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -127,10 +145,18 @@ class FairSharePolicy(PriorityPolicy):
 
     name = "fair"
 
-    def __init__(self, max_model_len: int, preempts_heavier: bool = True) -> None:
+    def __init__(self, max_model_len: int, preempts_heavier: bool = True,
+                 shares_prefill: bool = True) -> None:
+        """shares_prefill: cap contending tenants' prefill tokens a step (needs chunked
+        prefill: a prompt longer than its share could otherwise never run)."""
         super().__init__(max_model_len)
         self.preempts_heavier = preempts_heavier
+        self.shares_prefill = shares_prefill
         self.counters = VirtualTokenCounters()
+        self.waiting = FairWaitingQueue(self.counters)
+
+    def make_waiting_queue(self) -> FairWaitingQueue:
+        return self.waiting
 
     def order_running(self, running: list[Request]) -> list[tuple[Request, int]]:
         # Decodes first, in admission order (each takes one token: their order matters only
@@ -158,6 +184,24 @@ class FairSharePolicy(PriorityPolicy):
     def is_backlogged(self, request: Request) -> bool:
         return self.counters.backlog.get(request.tenant, 0) > 1
 
+    def prefill_shares(self, running: list[Request], budget: int) -> PrefillShares | None:
+        # A tenant is present with a request waiting or running (decoding included: its
+        # next request is likely on its way, and would wait out a step full of the others'
+        # prompts). One tenant ever seen (served or waiting) costs nothing more per step; a
+        # tenant alone among several known costs one pass over the running requests.
+        counters = self.counters
+        if not self.shares_prefill or (len(counters.counters) < 2 and (
+                not counters.backlog or counters.backlog.keys() <= counters.counters.keys())):
+            return None
+        tenants = {r.tenant for r in running}
+        if len(tenants) < 2 and tenants.issuperset(self.counters.backlog):
+            return None  # one tenant (or none): nothing to share
+        present = {(r.priority, r.tenant): r.tenant_weight for r in running}
+        present.update(self.waiting.flows())
+        if len(present) < 2:
+            return None
+        return step_prefill_shares(present.items(), budget)
+
     def rank(self, request: Request) -> tuple[int, float, float]:
         """Lower runs first: its band, its tenant's counter, its arrival."""
         return request.priority, self.counters.counter(request.tenant), request.arrival_time
@@ -170,10 +214,10 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 }
 
 
-def make_policy(name: str, max_model_len: int, preempts_heavier: bool = True
-                ) -> SchedulingPolicy:
+def make_policy(name: str, max_model_len: int, preempts_heavier: bool = True,
+                shares_prefill: bool = True) -> SchedulingPolicy:
     try:
-        return POLICIES[name](max_model_len, preempts_heavier)
+        return POLICIES[name](max_model_len, preempts_heavier, shares_prefill)
     except KeyError:
         raise ValueError(f"unknown scheduler_policy {name!r}; choose one of "
                          f"{', '.join(POLICIES)}") from None
