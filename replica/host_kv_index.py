@@ -60,16 +60,18 @@ class HostTierListener(Protocol):
 
 
 class HostKVIndex:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, protected_fraction: float = PROTECTED_FRACTION) -> None:
         if num_slots < 1:
             raise ValueError(f"the host KV tier needs at least one slot, got {num_slots}")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
         self.num_slots = num_slots
         self._slot_of: dict[BlockHash, int] = {}
         self._entries: list[HostEntry | None] = [None] * num_slots
         # Slots in order of last use, least recent first (OrderedDict as an O(1) LRU list).
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
-        self._protected_cap = max(1, int(num_slots * PROTECTED_FRACTION))
+        self._protected_cap = max(1, int(num_slots * protected_fraction))
         self._max_protected = self._protected_cap  # adapts: see _adapt_to_ghost
         # Keys probation evicted, newest last, at most num_slots: a block stored again while
         # here came back after the tier let it go (ARC's B1 list).

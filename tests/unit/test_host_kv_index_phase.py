@@ -76,3 +76,23 @@ def test_a_block_stored_again_after_probation_evicted_it_shrinks_the_protected_s
         index.store(HostEntry(key, key, ()))  # type: ignore[arg-type]
     assert 0 not in index and 8 in index  # a plain SLRU evicts 8 and keeps 0
     assert all(key in index for key in range(1, 8))
+
+
+def test_the_protected_share_is_a_parameter_and_bounded() -> None:
+    """At a fifth of the slots, two of ten blocks hit stay protected and the rest fall back
+    to probation, whose least recent leaves first (loadtests/studies/kv_tiers/
+    host_index_shapes.py replays the shares over several workloads)."""
+    import pytest
+
+    index = HostKVIndex(10, protected_fraction=0.2)
+    for key in range(10):
+        index.store(HostEntry(key, key, ()))  # type: ignore[arg-type]
+    for key in range(5):
+        index.record_hit(index.lookup(key))  # type: ignore[arg-type]
+    index.unpin_all()
+    for key in range(10, 18):  # eight new blocks: 5-9 leave, then the demoted hits 0-2
+        index.store(HostEntry(key, key, ()))  # type: ignore[arg-type]
+    assert 3 in index and 4 in index  # protected: the last two hits
+    assert not any(key in index for key in (0, 1, 2, 5, 6, 7, 8, 9))  # at 0.8, 0-2 stay
+    with pytest.raises(ValueError, match="protected_fraction"):
+        HostKVIndex(10, protected_fraction=1.5)
