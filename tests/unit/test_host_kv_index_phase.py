@@ -13,45 +13,19 @@ knew the phase had changed); the next two are served: ~50 % of returning-turn bl
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from iterserve.loadtests.studies.kv_tiers.host_index_shapes import (
+    chat_hit_rates,
+    device_in_front_of,
+)
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 
 DEVICE_BLOCKS, HOST_SLOTS = 234, 936
 
 
 def returning_turn_hit_rates(phases: int) -> list[float]:
-    index = HostKVIndex(HOST_SLOTS)
-    device: OrderedDict[tuple[int, int, int], None] = OrderedDict()
-
-    def cached(key: tuple[int, int, int]) -> bool:
-        if key in device:
-            device.move_to_end(key)
-            return True
-        slot = index.lookup(key)
-        if slot is not None:
-            index.record_hit(slot)
-            index.unpin_all()
-        device[key] = None
-        while len(device) > DEVICE_BLOCKS:
-            evicted, _ = device.popitem(last=False)
-            index.store(HostEntry(evicted, evicted, ()))  # type: ignore[arg-type]
-            index.unpin_all()
-        return slot is not None
-
-    rates = []
-    for phase in range(phases):
-        chats = [[(phase, chat, block) for block in range(128)] for chat in range(6)]
-        hits = looked_up = 0
-        for turn in range(4):
-            for chat, blocks in enumerate(chats):
-                found = [cached(key) for key in blocks]
-                if turn > 0:
-                    hits += sum(found[:-9])
-                    looked_up += len(blocks) - 9
-                blocks += [(phase, chat, len(blocks) + i) for i in range(9)]
-        rates.append(hits / looked_up)
-    return rates
+    """The study's replay (loadtests/studies/kv_tiers/host_index_shapes.py) of this shape."""
+    cached = device_in_front_of(HostKVIndex(HOST_SLOTS), DEVICE_BLOCKS)
+    return chat_hit_rates(cached, chats=6, blocks=128, turns=3, phases=phases)
 
 
 def test_the_first_phase_is_served_from_the_host_tier() -> None:
