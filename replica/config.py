@@ -27,6 +27,7 @@ CPU_LINEARS = ("auto", "onednn", "torch")
 CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
 CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
 KV_OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend; lmcache is not ours
+EVICTION_POLICIES = ("lru", "arc", "slru")  # the host KV tier's (replica/host_kv_eviction.py)
 
 
 
@@ -97,6 +98,12 @@ class CacheConfig:
     kv_offloading_backend: str = setting(
         "native", "the host KV tier's implementation (only native: iterserve's own)",
         choices=KV_OFFLOADING_BACKENDS)
+    # vLLM's CPU offloading spec calls it eviction_policy ("lru" default, "arc"); slru is ours.
+    kv_offloading_eviction_policy: str = setting(
+        "lru", "which block the host KV tier lets go first: lru (least recently used, vLLM's "
+        "default), arc (adaptive between recency and reuse, vLLM's arc), slru (blocks copied "
+        "back at least once kept ahead of the rest, in up to 0.8 of the tier)",
+        choices=EVICTION_POLICIES)
     # The disk tier below the host tier (replica/disk_kv_tier.py), off by default; LMCache's
     # local_disk / max_local_disk_size. Blocks the host tier evicts are written there.
     kv_offloading_disk_path: str | None = setting(
@@ -123,6 +130,9 @@ class CacheConfig:
         _require(self.kv_offloading_backend in KV_OFFLOADING_BACKENDS,
                  f"unknown kv_offloading_backend {self.kv_offloading_backend!r}; only "
                  f"{', '.join(KV_OFFLOADING_BACKENDS)} is implemented")
+        _require(self.kv_offloading_eviction_policy in EVICTION_POLICIES,
+                 f"unknown kv_offloading_eviction_policy {self.kv_offloading_eviction_policy!r}; "
+                 f"one of {', '.join(EVICTION_POLICIES)}")
         size = self.kv_offloading_size
         if size is not None:
             _require(size == "auto" or (not isinstance(size, str | bool) and size > 0),

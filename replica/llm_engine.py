@@ -40,6 +40,7 @@ from iterserve.replica.engine_lora import EngineLoRA
 from iterserve.replica.engine_stats import EngineStatsReporting
 from iterserve.replica.errors import is_device_fault
 from iterserve.replica.fault_isolation import execute_isolating_faults, execute_one_by_one
+from iterserve.replica.host_kv_eviction import make_eviction_policy
 from iterserve.replica.host_kv_index import HostKVIndex
 from iterserve.replica.loader import read_generation_config, read_model_config
 from iterserve.replica.outputs import RequestOutput, RunnerOutput, SchedulerOutput
@@ -122,7 +123,9 @@ class LLMEngine(EngineStatsReporting, EngineLoRA):
         if config.runner != "model":
             raise ValueError(f"kv_offloading_size needs runner='model' (the host KV tier "
                              f"holds real KV tensors), not runner={config.runner!r}")
-        return HostKVIndex(self.runner.num_host_kv_blocks())
+        num_slots = self.runner.num_host_kv_blocks()
+        policy = make_eviction_policy(config.cache.kv_offloading_eviction_policy, num_slots)
+        return HostKVIndex(num_slots, policy)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LLMEngine:

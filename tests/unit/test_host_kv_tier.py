@@ -7,6 +7,7 @@ import torch
 
 from iterserve.replica.config import EngineConfig, engine_settings
 from iterserve.replica.cpu_attention import CpuAttention
+from iterserve.replica.host_kv_eviction import SegmentedLRUEviction, make_eviction_policy
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 from iterserve.replica.host_kv_tier import (
     DEVICE_TO_HOST,
@@ -40,8 +41,9 @@ def test_a_store_of_a_held_block_copies_nothing_and_counts_as_recent_use() -> No
     assert 1 in index and 2 not in index
 
 
-def test_a_block_hit_once_outlives_a_scan_of_blocks_never_hit() -> None:
-    index = HostKVIndex(4)
+@pytest.mark.parametrize("policy", ["arc", "slru"])  # lru lets it go: test_host_kv_eviction
+def test_a_block_hit_once_outlives_a_scan_of_blocks_never_hit(policy: str) -> None:
+    index = HostKVIndex(4, make_eviction_policy(policy, 4))
     kept = index.store(entry(100))
     index.record_hit(kept)  # a returning chat's prefix: protected
     index.unpin_all()
@@ -51,7 +53,7 @@ def test_a_block_hit_once_outlives_a_scan_of_blocks_never_hit() -> None:
 
 
 def test_protected_blocks_beyond_their_share_fall_back_to_probation() -> None:
-    index = HostKVIndex(5)  # protected holds at most 4
+    index = HostKVIndex(5, SegmentedLRUEviction(5))  # protected holds at most 4
     slots = [index.store(entry(k)) for k in range(5)]
     for slot in slots:
         index.record_hit(slot)
@@ -117,6 +119,7 @@ def test_auto_is_half_a_replicas_share_of_free_memory_capped() -> None:
     (dict(kv_offloading_size=-1.0), "kv_offloading_size must be > 0"),
     (dict(kv_offloading_size="lots"), "must be > 0 GiB or 'auto', got 'lots'"),
     (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "needs enable_prefix_caching"),
+    (dict(kv_offloading_eviction_policy="lfu"), "unknown kv_offloading_eviction_policy 'lfu'"),
 ])
 def test_bad_offloading_settings_are_refused_with_a_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -126,6 +129,7 @@ def test_bad_offloading_settings_are_refused_with_a_reason(kwargs: dict, message
 def test_the_tier_is_off_by_default() -> None:
     cache = EngineConfig.from_kwargs().cache
     assert cache.kv_offloading_size is None and cache.kv_offloading_backend == "native"
+    assert cache.kv_offloading_eviction_policy == "lru"  # vLLM's default too
 
 
 @pytest.mark.gpu

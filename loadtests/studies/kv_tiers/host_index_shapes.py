@@ -1,10 +1,12 @@
 """The host tier's eviction (replica/host_kv_index.py) replayed over several workload shapes.
 
-    python -m iterserve.loadtests.studies.kv_tiers.host_index_shapes [--fractions 0.8,0.5,0.2]
+    python -m iterserve.loadtests.studies.kv_tiers.host_index_shapes \
+        [--policies lru,arc,slru,slru:0.2]
 
-Pure Python on the real HostKVIndex: a device prefix cache of LRU blocks in front of it (what
-the device evicts is stored in the tier), one request at a time, no model. Prints, per
-protected share of the tier and per shape, the share of the reused blocks found (the device
+Pure Python on the real HostKVIndex and its eviction policies (replica/host_kv_eviction.py): a
+device prefix cache of LRU blocks in front of it (what the device evicts is stored in the
+tier), one request at a time, no model. Prints, per policy (slru:F is the segmented LRU with a
+protected share F of the tier) and per shape, the share of the reused blocks found (the device
 or the tier) in each phase; each phase brings new chats or documents, so a phase change is
 what a new set of users looks like to the tier. Shapes:
 
@@ -25,6 +27,11 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+from iterserve.replica.host_kv_eviction import (
+    EvictionPolicy,
+    SegmentedLRUEviction,
+    make_eviction_policy,
+)
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 
 Lookup = Callable[[Hashable], bool]
@@ -108,21 +115,29 @@ SHAPES: dict[str, Callable[[Lookup], list[float]]] = {
 }
 
 
+def policy_named(label: str, num_slots: int) -> EvictionPolicy:
+    """lru, arc, slru (the setting's names), or slru:F for a segmented LRU protecting F."""
+    name, _, fraction = label.partition(":")
+    if name == "slru" and fraction:
+        return SegmentedLRUEviction(num_slots, float(fraction))
+    return make_eviction_policy(name, num_slots)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fractions", default="0.8,0.5,0.2",
-                        help="comma-separated protected shares of the tier to replay")
+    parser.add_argument("--policies", default="lru,arc,slru,slru:0.2",
+                        help="comma-separated eviction policies to replay (slru:F: a segmented "
+                        "LRU whose protected segment holds at most F of the tier)")
     parser.add_argument("--device-blocks", type=int, default=234, help="device KV blocks")
     parser.add_argument("--host-slots", type=int, default=936, help="host tier slots")
     args = parser.parse_args(argv)
-    fractions = [float(f) for f in args.fractions.split(",")]
-    print("| shape | " + " | ".join(f"protected {f}: hit share per phase" for f in fractions)
-          + " |")
-    print("|---|" + "---|" * len(fractions))
+    labels = args.policies.split(",")
+    print("| shape | " + " | ".join(f"{label}: hit share per phase" for label in labels) + " |")
+    print("|---|" + "---|" * len(labels))
     for name, shape in SHAPES.items():
         cells = []
-        for fraction in fractions:
-            index = HostKVIndex(args.host_slots, protected_fraction=fraction)
+        for label in labels:
+            index = HostKVIndex(args.host_slots, policy_named(label, args.host_slots))
             rates = shape(device_in_front_of(index, args.device_blocks))
             cells.append(" / ".join(f"{rate:.2f}" for rate in rates))
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
