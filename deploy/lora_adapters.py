@@ -14,7 +14,8 @@ to read arbitrary files. A load reserves the name in the registry, is broadcast 
 running replicas, and is published only if every one accepted it (a malformed adapter: 400
 naming the problem). `POST /v1/unload_lora_adapter` (lora_name) retires the adapter (no
 ingress admits it, no replica reads it back), waits for the requests still using it to end
-(up to UNLOAD_WAIT_S; past it a 409 and the adapter is served again: retry, nothing is lost),
+(up to the engine setting `lora_unload_wait_s`, 60 s by default; past it a 409 and the adapter
+is served again: retry, nothing is lost),
 then drops it everywhere. A request admitted just before an unload either runs to its end
 with the adapter (the unload waits for it) or gets the 404; an unload wins.
 """
@@ -48,9 +49,7 @@ logger = logging.getLogger(__name__)
 # replica still holding the adapter (the unload waits for it) or gets the 404 from one that
 # dropped it (a replica asks the registry before reading an adapter back).
 SNAPSHOT_TTL_S = 1.0
-# How long an unload waits for the requests still using the adapter to end (it answers 200
-# once they have, else 409 and the adapter is served again), and how often it asks.
-UNLOAD_WAIT_S = 60.0
+# How often an unload asks the replicas again while requests still use the adapter.
 UNLOAD_POLL_S = 0.2
 
 
@@ -71,10 +70,8 @@ class LoRAAdapters:
     afresh, so a load through another ingress is served here at once."""
 
     def __init__(self, client: EngineClient, model_aliases: Iterable[str] = (),
-                 unload_wait_s: float = UNLOAD_WAIT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client  # its `adapters`: the registry, read when first needed
-        self._unload_wait_s = unload_wait_s
         self._aliases = frozenset(model_aliases)  # names of the base model: never looked up
         self._clock = clock
         self._snapshot: dict[str, AdapterEntry] = {}
@@ -166,19 +163,19 @@ class LoRAAdapters:
             raise model_not_found(name)
         self._taken_at = -math.inf
         try:
-            await self._unload_everywhere(name)
+            await self._unload_everywhere(name, float(info.config["lora_unload_wait_s"]))
         except BaseException:
             await self._registry().publish(name, entry.version)
             raise
         await self._registry().drop(name, entry.version)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
-    async def _unload_everywhere(self, name: str) -> None:
+    async def _unload_everywhere(self, name: str, wait_s: float) -> None:
         """Ask every running replica to unload `name` until none refuses for requests still
         using it (409): the adapter is retired, so no new request joins them and they only
-        end. Past `unload_wait_s` the 409 is the answer. A replica that already dropped it
-        answers as done."""
-        deadline = self._clock() + self._unload_wait_s
+        end. Past `wait_s` the 409 is the answer. A replica that already dropped it answers
+        as done."""
+        deadline = self._clock() + wait_s
         while True:
             try:
                 await self._client.lora_adapter("unload", name)

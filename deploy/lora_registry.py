@@ -18,13 +18,18 @@ replica/async_engine.py).
 `RayAdapterRegistry` keeps the one `AdapterRegistry` of an application in a named Ray actor,
 as the tenants' quota ledger does (deploy/quotas.py). It is detached: an actor is owned by
 the process that created it, here an ingress replica, and would die with it, taking the
-adapters with it. `LocalAdapterRegistry` holds one in this process (the in-process server).
+adapters with it. If the actor itself dies (its node lost, a kill), the next call finds a new,
+empty one under the name, and the caller first restores into it the adapters it last read
+(every ingress reads them at least once a second): an adapter loaded in the cluster stays
+loaded, with its version, so requests admitted before keep theirs. A load or unload in flight
+when the actor died is not restored (its caller's publish or drop finds no entry: a load so
+lost is answered but not listed; load it again). `LocalAdapterRegistry` holds one in this
+process (the in-process server).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +60,7 @@ class AdapterRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, AdapterEntry] = {}
         self._pending: set[str] = set()
-        self._versions = itertools.count(1)  # 0: a lora_modules adapter, never unloaded
+        self._next_version = 1  # 0: a lora_modules adapter, never unloaded
 
     def loaded(self) -> dict[str, AdapterEntry]:
         """The adapters a request may name now."""
@@ -67,8 +72,17 @@ class AdapterRegistry:
         if name in self._entries:
             return None
         self._pending.add(name)
-        entry = self._entries[name] = AdapterEntry(path, next(self._versions))
+        entry = self._entries[name] = AdapterEntry(path, self._next_version)
+        self._next_version += 1
         return entry
+
+    def restore(self, entries: dict[str, AdapterEntry]) -> None:
+        """Serve again what a registry that died served (a caller's last read of it): each
+        name this registry does not know, with its version; later loads get newer ones."""
+        for name, entry in entries.items():
+            if name not in self._entries:
+                self._entries[name] = entry
+            self._next_version = max(self._next_version, entry.version + 1)
 
     def retire(self, name: str) -> AdapterEntry | None:
         """Begin an unload: the entry stops being served; None if not loaded (or already
@@ -151,6 +165,7 @@ class RayAdapterRegistry:
     def __init__(self, name: str) -> None:
         self._name = name
         self._actor: Any = None
+        self._last_loaded: dict[str, AdapterEntry] = {}  # restored into a new actor
 
     def _handle(self) -> Any:  # noqa: ANN401 - a Ray actor handle
         if self._actor is None:
@@ -167,20 +182,25 @@ class RayAdapterRegistry:
         a 503 when it cannot answer within REGISTRY_TIMEOUT_S."""
         for attempt in (1, 2):
             try:
+                if attempt == 2 and self._last_loaded:
+                    await asyncio.wait_for(self._handle().restore.remote(self._last_loaded),
+                                           REGISTRY_TIMEOUT_S)
                 return await asyncio.wait_for(call(self._handle()), REGISTRY_TIMEOUT_S)
             except asyncio.TimeoutError:
                 break
             except Exception as error:  # noqa: BLE001 - only "the actor is gone" is retried
                 if type(error).__name__ not in REGISTRY_ACTOR_ERRORS or attempt == 2:
                     raise
-                logger.warning("the LoRA registry actor is gone (%s); asking for it again",
-                               type(error).__name__)
+                logger.warning("the LoRA registry actor is gone (%s); asking for it again "
+                               "and restoring the %d adapters last read from it",
+                               type(error).__name__, len(self._last_loaded))
                 self._actor = None
         raise OpenAIHTTPError(503, "The LoRA adapter registry did not answer; retry later.",
                               "service_unavailable", headers={"Retry-After": "1"})
 
     async def loaded(self) -> dict[str, AdapterEntry]:
-        return await self._ask(lambda actor: actor.loaded.remote())
+        self._last_loaded = await self._ask(lambda actor: actor.loaded.remote())
+        return self._last_loaded
 
     async def add(self, name: str, path: str) -> AdapterEntry | None:
         return await self._ask(lambda actor: actor.add.remote(name, path))

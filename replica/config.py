@@ -287,6 +287,9 @@ class EngineConfig:
     runtime_lora_root: str | None = setting(
         None, "enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter; loads read only "
         "adapter folders under this directory (unset: the endpoints answer 404)")
+    lora_unload_wait_s: float = setting(
+        60.0, "seconds POST /v1/unload_lora_adapter waits for requests still using the adapter "
+        "to end; past it the answer is 409 and the adapter is served again")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -321,6 +324,9 @@ class EngineConfig:
         _require(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                  "max_cpu_loras must be >= max_loras")
+        _require(not isinstance(self.lora_unload_wait_s, str | bool)
+                 and self.lora_unload_wait_s >= 0,
+                 f"lora_unload_wait_s must be >= 0 seconds, got {self.lora_unload_wait_s!r}")
         if not self.enable_lora:
             _require(not self.lora_modules and self.runtime_lora_root is None,
                      "lora_modules and runtime_lora_root need enable_lora")

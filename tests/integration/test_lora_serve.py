@@ -4,7 +4,8 @@ only Serve can: a runtime load is broadcast to every replica, requests naming th
 served by whichever replica takes them with the same tokens, the replicas report the adapter
 in their routing stats, and an unload reaches them all; the load is recorded in the
 application's registry (a named Ray actor), so whichever ingress takes a request knows it,
-and ingresses started in place of killed ones do too.
+ingresses started in place of killed ones do too, and so does a registry actor started in
+place of a killed one.
 
 Run under the shared lock: flock /tmp/iterserve-heavy.lock .venv/bin/python -m pytest ...
 """
@@ -160,3 +161,51 @@ def test_every_ingress_serves_a_load_and_restarted_ingresses_keep_it(
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "shared"}).status_code == 200
     listed, codes, _ = rounds()
     assert (listed, codes) == ({False}, {404})
+
+
+def test_a_killed_registry_actor_comes_back_with_the_adapters_loaded(
+        served: tuple[str, Path]) -> None:
+    """The registry actor killed after a load: the next ingress read finds a new, empty
+    actor and restores what it last read into it, so every answer still lists and serves the
+    adapter with the same tokens, and an unload through the new actor reaches every answer."""
+    import time
+
+    import ray
+
+    url, _ = served
+    http = httpx.Client(base_url=url, timeout=120)
+    body = {"model": "kept", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    assert http.post("/v1/load_lora_adapter",
+                     json={"lora_name": "kept", "lora_path": "sql"}).status_code == 200
+    before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    time.sleep(1.5)  # every ingress's snapshot (at most 1 s old) has read the load
+    for _ in range(4):  # both ingresses read the registry: each now remembers "kept"
+        http.get("/v1/models")
+    [registry] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("iterserve-lora-adapters:")]
+    ray.kill(ray.get_actor(registry["name"], namespace=registry["namespace"]), no_restart=True)
+    # Until the new actor's process has started, a read is a 503 with Retry-After (the
+    # registry's timeout): never a 404 or a 500, and never the adapter served unchecked.
+    deadline, recovery, answered = time.monotonic() + 120, set(), 0
+    while time.monotonic() < deadline and answered < 6:  # both ingresses found the new one
+        models = http.get("/v1/models")
+        recovery.add(models.status_code)
+        answered = answered + 1 if models.status_code == 200 else 0
+        if models.status_code != 200:
+            assert models.headers.get("retry-after"), models.text
+            time.sleep(1)
+    assert recovery <= {200, 503} and answered == 6, recovery
+    codes, texts, listed = set(), set(), set()
+    for _ in range(12):
+        models = http.get("/v1/models")
+        codes.add(models.status_code)
+        if models.status_code == 200:
+            listed.add("kept" in [m["id"] for m in models.json()["data"]])
+        answer = http.post("/v1/completions", json=body)
+        codes.add(answer.status_code)
+        if answer.status_code == 200:
+            texts.add(answer.json()["choices"][0]["text"])
+    assert (codes, listed, texts) == ({200}, {True}, {before})
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "kept"}).status_code == 200
+    assert all("kept" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+               for _ in range(8))

@@ -10,6 +10,7 @@ tests/integration/test_lora_serve.py, runs two real ingress replicas).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,30 @@ def test_a_reload_gets_a_new_version_and_the_old_one_stays_unloaded() -> None:
     assert not registry.is_current("sql", first.version)  # a request admitted before
     registry.drop("sql", first.version)  # a stale drop does not touch the new load
     assert registry.is_current("sql", second.version)
+
+
+def test_a_new_registry_restores_what_a_dead_one_served_with_its_versions() -> None:
+    """What RayAdapterRegistry restores into the empty actor found after the old one died:
+    the adapters it last read, current at the same versions (requests admitted before keep
+    theirs); a name the new registry already knows is kept; new loads get newer versions."""
+    dead = AdapterRegistry()
+    for name in ("sql", "chat"):
+        dead.publish(name, dead.add(name, f"/a/{name}").version)
+    dead.add("pending", "/a/pending")  # a load in flight when it died: not in loaded()
+    fresh = AdapterRegistry()
+    fresh.publish("chat", fresh.add("chat", "/b/chat").version)  # loaded again meanwhile
+    fresh.restore(dead.loaded())
+    assert fresh.is_current("sql", 1) and fresh.loaded()["chat"] == AdapterEntry("/b/chat", 1)
+    assert "pending" not in fresh.loaded()
+    assert fresh.add("new", "/a/new") == AdapterEntry("/a/new", 3)  # after sql's 1, chat's 2
+    fresh.restore(dead.loaded())  # a second ingress restoring the same: nothing changes
+    assert set(fresh.loaded()) == {"sql", "chat"}
+
+
+def test_the_unload_wait_is_a_setting_of_zero_or_more_seconds() -> None:
+    assert EngineConfig.from_kwargs(enable_lora=True).lora_unload_wait_s == 60.0
+    with pytest.raises(ValueError, match="lora_unload_wait_s must be >= 0 seconds, got -1"):
+        EngineConfig.from_kwargs(enable_lora=True, lora_unload_wait_s=-1)
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +244,9 @@ def test_a_load_some_replica_refused_is_dropped_everywhere(engine: AsyncLLMEngin
 
 def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again(
         engine: AsyncLLMEngine) -> None:
-    """With no time to wait (unload_wait_s=0) a request still using the adapter makes the
-    unload a 409; the adapter is published again, and its request ends in full."""
+    """With no time to wait (the engine setting lora_unload_wait_s=0) a request still using
+    the adapter makes the unload a 409; the adapter is published again, and its request ends
+    in full."""
     from iterserve.deploy.lora_adapters import (
         LoadLoRAAdapterRequest,
         LoRAAdapters,
@@ -228,10 +254,12 @@ def test_an_unload_outlasted_by_its_requests_is_409_and_the_adapter_served_again
     )
 
     client = LocalEngineClient(engine, LocalAdapterRegistry())
-    adapters = LoRAAdapters(client, unload_wait_s=0)
+    adapters = LoRAAdapters(client)
 
     async def run() -> tuple[int, int]:
         info = await client.model_info()
+        assert info.config["lora_unload_wait_s"] == 60.0  # the default, read from the replica
+        info = dataclasses.replace(info, config={**info.config, "lora_unload_wait_s": 0.0})
         await adapters.load(LoadLoRAAdapterRequest(lora_name="long", lora_path="qv"), info)
         lora = await adapters.request_for("long", info)
         # long enough that it still runs when the unload asks, even on a loaded machine
