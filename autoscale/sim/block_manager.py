@@ -325,7 +325,7 @@ def tiered_block_manager(num_blocks: int, config: ClusterSimConfig
         return SimBlockManager(num_blocks, config.block_size,
                                config.enable_prefix_caching), None
     per_block = config.sim.kv_bytes_per_token * config.block_size
-    host = HostKVIndex(max(1, tiers.num_blocks(tiers.host_gib, per_block)))
+    host = tiers.host_index(max(1, tiers.num_blocks(tiers.host_gib, per_block)))
     disk = DiskTier(max(1, tiers.num_blocks(tiers.disk_gib, per_block))) \
         if tiers.disk_gib > 0 else None
     manager = SimBlockManager(num_blocks, config.block_size, True, host, disk)

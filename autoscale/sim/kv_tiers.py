@@ -1,12 +1,14 @@
 """KV tiers below a simulated replica's device KV: host memory and local disk.
 
 Each replica's block manager (the engine's, `SimBlockManager`) gets the engine's host tier
-index (replica/host_kv_index.py: a segmented LRU keyed by the prefix cache's chain hash):
-a cached block the device evicts is stored there, a prompt's lookup continues its chain
-there and copies the block back. Below it a disk tier of the same kind (`DiskTier`), fed by
-the host tier's evictions (device -> host -> disk); a lookup that reaches a block only the
-disk holds reads it into the host tier (as LMCache and SGLang HiCache stage disk reads
-through host memory) and copies it on to the device from there.
+index (replica/host_kv_index.py, keyed by the prefix cache's chain hash, evicting by the
+engine's `kv_offloading_eviction_policy`: `SimKVTiers.host_eviction`): a cached block the
+device evicts is stored there, a prompt's lookup continues its chain there and copies the
+block back. Below it a disk tier of the same kind (`DiskTier`, a segmented LRU as the engine's
+disk tier is: replica/disk_kv_tier.py), fed by the host tier's evictions (device -> host ->
+disk); a lookup that reaches a block only the disk holds reads it into the host tier (as
+LMCache and SGLang HiCache stage disk reads through host memory) and copies it on to the
+device from there.
 
 Time: a step lasts the cost model's time plus its copies (`TierCopies.seconds`): the
 blocks stored device -> host and loaded host -> device this step at `host_gb_s`, and the
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from iterserve.replica.block_manager import BlockManager
+from iterserve.replica.config import EVICTION_POLICIES
+from iterserve.replica.host_kv_eviction import SegmentedLRUEviction, make_eviction_policy
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 from iterserve.replica.outputs import SchedulerOutput
 
@@ -48,6 +52,7 @@ class SimKVTiers:
     # before the blocks are overwritten); False models stores that overlap compute, as
     # vLLM's offloading connector writes asynchronously (what-if: not iterserve's engine).
     charge_stores: bool = True
+    host_eviction: str = "lru"  # the engine's kv_offloading_eviction_policy
 
     def __post_init__(self) -> None:
         if self.host_gib < 0 or self.disk_gib < 0:
@@ -56,6 +61,13 @@ class SimKVTiers:
             raise ValueError("a disk tier is fed by the host tier's evictions: give host_gib")
         if self.host_gb_s <= 0 or self.disk_gb_s <= 0:
             raise ValueError("tier bandwidths must be > 0")
+        if self.host_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown host_eviction {self.host_eviction!r}; one of "
+                             f"{', '.join(EVICTION_POLICIES)}")
+
+    def host_index(self, num_slots: int) -> HostKVIndex:
+        """The host tier's index, evicting as the engine's setting would."""
+        return HostKVIndex(num_slots, make_eviction_policy(self.host_eviction, num_slots))
 
     def num_blocks(self, gib: float, bytes_per_block: int) -> int:
         return int(gib * GIB // bytes_per_block)
@@ -66,7 +78,7 @@ class DiskTier:
     a block the host tier evicts is written here (asynchronously: no step waits for it)."""
 
     def __init__(self, num_slots: int) -> None:
-        self.index = HostKVIndex(num_slots)
+        self.index = HostKVIndex(num_slots, SegmentedLRUEviction(num_slots))
         self.num_written = 0
 
     def host_stored(self, entry: HostEntry) -> None:

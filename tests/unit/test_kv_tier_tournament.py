@@ -8,6 +8,7 @@ import dataclasses
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies.router_tournament.kv_tiers import (
     ASYNC_STORES,
+    EVICTION_ARMS,
     NO_TIERS,
     SMALL_DEVICE_BLOCKS,
     TIERS,
@@ -37,5 +38,9 @@ def test_the_cells_run_with_tiers_but_the_no_tier_arm_and_the_async_store_what_i
         assert config.num_blocks == SMALL_DEVICE_BLOCKS
         if cell["router"] == ASYNC_STORES:  # the what-if: stores off the critical path
             assert config.kv_tiers == dataclasses.replace(TIERS, charge_stores=False)
+        elif cell["router"] in EVICTION_ARMS:  # the host tier evicting by arc or slru
+            assert config.kv_tiers == dataclasses.replace(
+                TIERS, host_eviction=EVICTION_ARMS[cell["router"]])
+            assert config.kv_tiers.host_eviction in ("arc", "slru")
         else:
             assert config.kv_tiers == (None if cell["router"] == NO_TIERS else TIERS)

@@ -125,3 +125,15 @@ def test_stores_that_overlap_compute_cost_a_step_nothing() -> None:
     assert synchronous.take_step_seconds(manager, 0) == pytest.approx(3 * 1e6 / 25e9)
     manager.kv_stores = stores
     assert overlapped.take_step_seconds(manager, 0) == 0.0 and overlapped.num_stored == 3
+
+
+def test_the_host_tier_evicts_by_the_engines_policy_and_refuses_an_unknown_one() -> None:
+    """SimKVTiers.host_eviction is the engine's kv_offloading_eviction_policy: the same
+    blocks leave the simulated host tier as the engine's (lru by default)."""
+    from iterserve.replica.host_kv_eviction import ARCEviction, LRUEviction
+
+    assert isinstance(SimKVTiers(host_gib=1).host_index(4)._policy, LRUEviction)
+    arc = SimKVTiers(host_gib=1, host_eviction="arc").host_index(4)
+    assert isinstance(arc._policy, ARCEviction) and arc.num_slots == 4
+    with pytest.raises(ValueError, match="unknown host_eviction 'lfu'"):
+        SimKVTiers(host_gib=1, host_eviction="lfu")

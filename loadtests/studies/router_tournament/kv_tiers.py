@@ -10,8 +10,10 @@ router reading the device alone (what LMCache behind Ray's router does today: "t
 device alone too, as their KV events do. `iterserve-notiers` is iterserve on the same
 cluster without tiers (what the tiers buy); `iterserve-asyncstores` a what-if, iterserve with
 the device -> host stores overlapping compute (SimKVTiers.charge_stores off), which
-iterserve's engine does not do. Every GPU-side figure is simulated (the
-calibrated cost model plus the tiers' copy times), not measured.
+iterserve's engine does not do; `iterserve-arc` and `iterserve-slru` iterserve with the host
+tier evicting by ARC or the segmented LRU instead of LRU (`kv_offloading_eviction_policy`).
+Every GPU-side figure is simulated (the calibrated cost model plus the tiers' copy times),
+not measured.
 
 Each workload's `unbounded_hit_rate`: the prompt tokens a single cache that never evicts
 and has seen every earlier request (prompt and answer, in arrival order) would serve, over
@@ -57,6 +59,8 @@ TIER_ROUTERS = ("iterserve", "iterserve-tierblind", "dynamo", "llm-d-precise", "
 NO_TIERS = "iterserve-notiers"
 # What-if: iterserve with stores that overlap compute (SimKVTiers.charge_stores off)
 ASYNC_STORES = "iterserve-asyncstores"
+# iterserve with the host tier evicting by another kv_offloading_eviction_policy (lru: TIERS)
+EVICTION_ARMS = {"iterserve-arc": "arc", "iterserve-slru": "slru"}
 MOONCAKE_CAPACITY = 1.26875  # req/s per replica: results/traces (round-robin probe, no tiers)
 MOONCAKE_KEY = "conversation_trace"
 GENERATED = ("multi-turn", "multi-tenant")
@@ -72,6 +76,8 @@ ROUTERS.setdefault("iterserve-tierblind", lambda: IterserveRouter(
     RouterConfig(score_kv_tiers=False), name="iterserve-tierblind"))
 ROUTERS.setdefault(NO_TIERS, lambda: IterserveRouter(name=NO_TIERS))
 ROUTERS.setdefault(ASYNC_STORES, lambda: IterserveRouter(name=ASYNC_STORES))
+for _arm in EVICTION_ARMS:
+    ROUTERS.setdefault(_arm, lambda name=_arm: IterserveRouter(name=name))
 
 
 def unbounded_hit_rate(requests: Sequence[WorkloadRequest], block_size: int = 16) -> float:
@@ -102,6 +108,8 @@ def cell_config(cell: dict[str, Any]) -> Any:  # noqa: ANN401 - a ClusterSimConf
     extra = {k: cell[k] for k in ("num_blocks", "max_model_len") if cell.get(k) is not None}
     if cell["router"] == ASYNC_STORES:
         extra["kv_tiers"] = dataclasses.replace(TIERS, charge_stores=False)
+    elif cell["router"] in EVICTION_ARMS:
+        extra["kv_tiers"] = dataclasses.replace(TIERS, host_eviction=EVICTION_ARMS[cell["router"]])
     elif cell["router"] != NO_TIERS:
         extra["kv_tiers"] = TIERS
     return dataclasses.replace(config, **extra)
@@ -138,7 +146,7 @@ def probe_small_capacity(workload: str, seed: int = 1, duration_s: float = 30.0)
 def build_cells(sizes: Sequence[int], load: float, seeds: Sequence[int], trace: Path | None,
                 caps: dict[str, float]) -> list[dict[str, Any]]:
     """Generated workloads on every seed; the trace (long cells) on the first seed only."""
-    routers = (*TIER_ROUTERS, NO_TIERS, ASYNC_STORES)
+    routers = (*TIER_ROUTERS, NO_TIERS, ASYNC_STORES, *EVICTION_ARMS)
     cells = []
     for workload in GENERATED:
         for n in sizes:
@@ -187,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run only these workloads (multi-turn, multi-tenant, "
                         "conversation_trace)")
     parser.add_argument("--routers", nargs="+", default=[*TIER_ROUTERS, NO_TIERS],
-                        choices=[*TIER_ROUTERS, NO_TIERS, ASYNC_STORES],
+                        choices=[*TIER_ROUTERS, NO_TIERS, ASYNC_STORES, *EVICTION_ARMS],
                         help="run only these routers")
     parser.add_argument("--out", type=Path, required=True, help="the JSON store (resumed)")
     args = parser.parse_args(argv)
