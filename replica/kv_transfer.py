@@ -281,17 +281,23 @@ def _gather(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: list[in
             out: torch.Tensor, rows: list[int]) -> None:
     """Blocks `blocks` of per-layer (K, V) tensors into rows `rows` of out ([n, bytes] uint8
     on the host), each row in read_slot's order: every layer's K block, then its V block.
-    One gather per layer and tensor for all the blocks, not one per block."""
+    One gather per layer and tensor for all the blocks, written straight into out's columns
+    for that tensor: no staging buffer the size of the payload (allocating and filling one
+    made the copy ~5x slower than the bytes it moves, measured on the holder)."""
     index = torch.tensor(blocks, dtype=torch.long, device=layers[0][0].device)
-    gathered = torch.empty((len(blocks), out.shape[1]), dtype=torch.uint8)
-    offset = 0
+    row_index = torch.tensor(rows, dtype=torch.long)
+    every_row = rows == list(range(out.shape[0]))
+    offset = 0  # bytes into a row
     for keys, values in layers:
         for cache in (keys, values):
             picked = block_major(cache).index_select(0, index).reshape(len(blocks), -1)
-            width = picked.shape[1] * picked.element_size()
-            gathered[:, offset : offset + width].copy_(picked.view(torch.uint8))
-            offset += width
-    out.index_copy_(0, torch.tensor(rows, dtype=torch.long), gathered)
+            size = picked.element_size()
+            columns = out.view(picked.dtype)[:, offset // size : offset // size + picked.shape[1]]
+            if every_row:
+                columns.copy_(picked)
+            else:
+                columns.index_copy_(0, row_index, picked.to(out.device))
+            offset += picked.shape[1] * size
 
 
 def import_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheNamespace,

@@ -187,3 +187,32 @@ def test_a_pull_from_a_holder_that_is_gone_computes_at_once(model_path: str) -> 
         assert outcome == "holder_gone"
         assert elapsed < 1.0  # the timeout is 30 s
         assert tokens == computed
+
+
+def test_the_gather_writes_each_block_into_its_row_in_read_slot_order() -> None:
+    """kv_transfer._gather against a torch reference (each block's bytes: every layer's K
+    block, then its V block, block-major), in both K layouts, into every row at once and into
+    a subset of rows (a payload mixing device blocks and host slots)."""
+    import numpy as np
+    import torch
+
+    from iterserve.replica.host_kv_tier import block_major
+    from iterserve.replica.kv_transfer import _gather
+
+    torch.manual_seed(0)
+    layers = [(torch.randn(9, 3, 8, 4), torch.randn(9, 4, 3, 8)) for _ in range(3)]
+    blocks = [7, 2, 5]
+
+    def reference(block: int) -> bytes:
+        return b"".join(block_major(cache)[block].contiguous().numpy().tobytes()
+                        for keys, values in layers for cache in (keys, values))
+
+    width = len(reference(0))
+    every = torch.zeros((3, width), dtype=torch.uint8)
+    _gather(layers, blocks, every, [0, 1, 2])
+    assert [bytes(row.numpy()) for row in every] == [reference(b) for b in blocks]
+    mixed = torch.from_numpy(np.zeros((5, width), dtype=np.uint8))
+    _gather(layers, blocks, mixed, [4, 0, 2])
+    assert bytes(mixed[4].numpy()) == reference(7) and bytes(mixed[0].numpy()) == reference(2)
+    assert bytes(mixed[2].numpy()) == reference(5)
+    assert not mixed[1].any() and not mixed[3].any()  # rows left for the other tier
