@@ -8,7 +8,7 @@ as they were (a baseline and a noisy run share tenant B's requests exactly).
 
     noisy_neighbour   tenant "a" at `a_multiple` times tenant "b"'s rate
     backlogged        one tenant per weight ("w1", "w2", "w4" for 1:2:4; "t0".. for equal
-                      weights), each at the same rate
+                      weights), each at its own rate
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def backlogged_tenants(weights: Sequence[float]) -> tuple[SimTenant, ...]:
     return tuple(SimTenant(f"t{i}", w) for i, w in enumerate(weights))
 
 
-def backlogged(tenants: Sequence[SimTenant], rate_each: float, duration_s: float, seed: int
-               ) -> list[WorkloadRequest]:
-    """Every tenant at rate_each requests/s (together far above capacity: all backlogged)."""
-    return merged(*(tenant_requests(t.name, rate_each, duration_s, seed, i * _TENANT_STRIDE)
-                    for i, t in enumerate(tenants)))
+def backlogged(tenants: Sequence[SimTenant], rates: Sequence[float], duration_s: float,
+               seed: int) -> list[WorkloadRequest]:
+    """Each tenant at its rate, requests/s (each above its share of the capacity: all
+    backlogged)."""
+    return merged(*(tenant_requests(t.name, rate, duration_s, seed, i * _TENANT_STRIDE)
+                    for i, (t, rate) in enumerate(zip(tenants, rates, strict=True))))

@@ -74,7 +74,7 @@ def test_the_priority_policy_reads_each_tenants_band() -> None:
 
 def test_backlogged_tenants_are_served_by_weight_under_fair_and_not_under_fcfs() -> None:
     tenants = backlogged_tenants((1.0, 2.0, 4.0))
-    requests = backlogged(tenants, CAPACITY, 12.0, seed=0)  # 3x one replica's capacity
+    requests = backlogged(tenants, [CAPACITY] * 3, 12.0, seed=0)  # 3x one replica's capacity
     shares = {}
     for policy in ("fcfs", "fair"):
         tenancy = SimTenancy(tenants, policy)

@@ -22,8 +22,10 @@ Workloads (sim/tenant_workloads.py; rates in units of the steady shape's probed 
 
     noisy         b at 1.5/11 of capacity, a at 10x b: together 1.5x capacity
     noisy-base    the same b, a at its equal-weight fair share (half the capacity)
-    equal         three tenants, weights 1:1:1, each at 1.0x capacity (backlogged)
-    weighted      three tenants, weights 1:2:4, each at 1.0x capacity (backlogged)
+    equal-weights three tenants, weights 1:1:1, at 0.5x, 1x and 2x capacity (each above
+                  its third: backlogged; arrival order would serve them 1:2:4)
+    weighted      three tenants, weights 1:2:4, each at 1.0x capacity (backlogged;
+                  arrival order would serve them 1:1:1)
     solo          one tenant alone at 1.5x capacity (work conservation)
 
 Writes results/tenant_fairness.json (every cell with its per-tenant figures) and .md (the
@@ -69,7 +71,8 @@ OVERLOAD = 1.5  # the noisy run and the solo run: offered load over capacity
 BACKLOGGED_RATE = 1.0  # each backlogged tenant's rate, in capacities (three: 3x)
 TAIL_S = 10.0  # a backlogged run goes on this long past its arrivals (see run_fairness_cell)
 ARMS = ("fcfs", "priority", "fair", "fair+slo", "flow-control")
-WORKLOADS = ("noisy", "noisy-base", "equal", "weighted", "solo")
+WORKLOADS = ("noisy", "noisy-base", "equal-weights", "weighted", "solo")
+UNEVEN_RATES = (0.5, 1.0, 2.0)  # equal-weights: each tenant's rate, in capacities
 
 
 def cell_tenants(workload: str) -> tuple[SimTenant, ...]:
@@ -79,7 +82,8 @@ def cell_tenants(workload: str) -> tuple[SimTenant, ...]:
     elif workload == "solo":
         names, weights = ("solo",), (1.0,)
     else:
-        tenants = backlogged_tenants((1.0, 1.0, 1.0) if workload == "equal" else (1.0, 2.0, 4.0))
+        tenants = backlogged_tenants((1.0, 1.0, 1.0) if workload == "equal-weights"
+                                     else (1.0, 2.0, 4.0))
         names, weights = tuple(t.name for t in tenants), tuple(t.weight for t in tenants)
     return tuple(SimTenant(n, w, 0, TTFT_SLO_S) for n, w in zip(names, weights, strict=True))
 
@@ -111,7 +115,11 @@ def cell_requests(cell: dict[str, Any]) -> list[WorkloadRequest]:
         return noisy_neighbour(b_rate, capacity / 2, duration, seed)
     if workload == "solo":
         return tenant_requests("solo", OVERLOAD * capacity, duration, seed, 0)
-    return backlogged(cell_tenants(workload), BACKLOGGED_RATE * capacity, duration, seed)
+    if workload == "equal-weights":
+        return backlogged(cell_tenants(workload), [r * capacity for r in UNEVEN_RATES],
+                          duration, seed)
+    tenants = cell_tenants(workload)
+    return backlogged(tenants, [BACKLOGGED_RATE * capacity] * len(tenants), duration, seed)
 
 
 def run_fairness_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +129,7 @@ def run_fairness_cell(cell: dict[str, Any]) -> dict[str, Any]:
     the noisy ones run until every request is answered."""
     requests = cell_requests(cell)
     tenancy = arm_tenancy(cell["arm"], cell_tenants(cell["workload"]))
-    backlogged_run = cell["workload"] in ("equal", "weighted", "solo")
+    backlogged_run = cell["workload"] in ("equal-weights", "weighted", "solo")
     config = dataclasses.replace(sim_config(None, cell["seed"]), tenancy=tenancy,
                                  max_virtual_s=cell["duration_s"] + TAIL_S if backlogged_run
                                  else 1e9)
@@ -142,7 +150,7 @@ def fairness_cells(sizes: Sequence[int], seeds: Sequence[int], duration_s: float
                 for arm in arms:
                     if workload == "solo" and arm not in ("fcfs", "fair"):
                         continue  # one tenant: the other arms have no one to share with
-                    if workload == "equal" and arm == "priority":
+                    if workload == "equal-weights" and arm == "priority":
                         continue  # equal weights: one band, the fcfs arm's order
                     cells.append({"workload": workload, "arm": arm, "replicas": replicas,
                                   "seed": seed, "duration_s": duration_s,
@@ -164,7 +172,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="workloads to run")
     parser.add_argument("--out", type=Path, default=results_of("router_tournament"),
                         help="folder of tenant_fairness.json and .md")
+    parser.add_argument("--merge", nargs="*", type=Path, default=[],
+                        help="simulate nothing: merge these runs' tenant_fairness.json "
+                        "files into --out and write the report")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged = {}  # a cell run twice (a cut run resumed): the later file's
+        for path in args.merge:
+            for cell in json.loads(path.read_text()):
+                if cell["workload"] in WORKLOADS:  # not a workload since redefined
+                    key = (cell["replicas"], cell["seed"], cell["workload"], cell["arm"])
+                    merged[key] = cell
+        return write_results(list(merged.values()), args.out)
     cells = fairness_cells(args.sizes, args.seeds, args.duration_s, args.arms, args.workloads)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -172,8 +191,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for result in pool.imap_unordered(run_fairness_cell, cells):
             results.append(result)
             (args.out / "tenant_fairness.json").write_text(json.dumps(results, indent=1))
+    return write_results(results, args.out)
+
+
+def write_results(results: list[dict[str, Any]], out: Path) -> int:
+    results = sorted(results, key=lambda r: (r["replicas"], r["seed"], r["workload"], r["arm"]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tenant_fairness.json").write_text(json.dumps(results, indent=1))
     text = report(results)
-    (args.out / "tenant_fairness.md").write_text(text)
+    (out / "tenant_fairness.md").write_text(text)
     print(text)
     return 0
 

@@ -185,8 +185,9 @@ def report(results: list[dict[str, Any]]) -> str:
         "## Noisy neighbour: b's p99 TTFT when a sends 10x b's rate (1.5x capacity) over "
         "b's p99 when a sends its equal-weight share (0.5x capacity), same arm, same seed",
         "", noisy_table(results),
-        "## Backlogged, equal weights 1:1:1 (Jain floor >= 0.95)", "",
-        backlogged_table(results, "equal"),
+        "## Backlogged, equal weights 1:1:1, rates 0.5x / 1x / 2x capacity "
+        "(Jain floor >= 0.95)", "",
+        backlogged_table(results, "equal-weights"),
         "## Backlogged, weights 1:2:4 (shares within 10 %)", "",
         backlogged_table(results, "weighted"),
         "## One tenant alone at 1.5x capacity (work conservation)", "",
