@@ -52,6 +52,7 @@ from collections.abc import Callable, Hashable, Sequence
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.autoscale.sim.cluster_controller import TICK, ServeController
 from iterserve.autoscale.sim.config import ClusterSimConfig
+from iterserve.autoscale.sim.gateway_flow_control import FlowControlGate, pool_is_saturated
 from iterserve.autoscale.sim.itl import ItlCounter
 from iterserve.autoscale.sim.kv_pull import KVPulls, PullPlan
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
@@ -79,6 +80,7 @@ from iterserve.autoscale.sim.state import (
     cyclic_gc_paused,
 )
 from iterserve.autoscale.sim.workload import WorkloadRequest
+from iterserve.replica.errors import SLOUnreachableError
 from iterserve.replica.request import Request
 
 ARRIVE, WAKE, POLL, PUSH, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
@@ -100,7 +102,14 @@ class ClusterSim(ServeController):
                 isinstance(p, PeerSyncedPolicy) for p in routers):
             raise ValueError("router_sync_delay_s needs routers that hear their peers' sends "
                              "(PeerSyncedPolicy)")
+        tenancy = config.tenancy
+        if tenancy is not None and tenancy.slo_admission and config.kv_pulls is not None:
+            raise ValueError("SLO admission with KV pulls is not modelled")
         self.config = config
+        # llm-d-style flow control: requests held in front of the routers while the pool
+        # is saturated (sim/gateway_flow_control.py)
+        self.gate = FlowControlGate(tenancy, tenancy.gateway) \
+            if tenancy is not None and tenancy.gateway is not None else None
         self.rng = random.Random(config.seed)
         self.routers = [RouterState(i, p, random.Random(f"{config.seed}/router/{i}"))
                         for i, p in enumerate(routers)]
@@ -173,13 +182,33 @@ class ClusterSim(ServeController):
             if self._freed:  # a request finished: one waiting at a router may go now
                 self._freed = False
                 self._retry_queued()
+                if self.gate is not None and len(self.gate):
+                    self._release_gate()
         return self._result()
 
     def _on_arrive(self, payload: object) -> None:
         router_index, spec = payload
+        if self.gate is not None:
+            if len(self.gate) or self._pool_saturated():
+                self.gate.hold(router_index, spec)
+                return
+            self.gate.dispatched(spec)
+        self._route(router_index, spec)
+
+    def _route(self, router_index: int, spec: WorkloadRequest) -> None:
         router = self.routers[router_index]
         if router.queue or not self._dispatch(router, spec):
             router.queue.append(spec)
+
+    def _pool_saturated(self) -> bool:
+        return pool_is_saturated(
+            ((s.replica.scheduler.num_waiting, s.replica.block_manager.usage)
+             for s in self.slots if s.state == RUNNING), self.gate.saturation)
+
+    def _release_gate(self) -> None:
+        """Held requests go, in the gate's order, while the pool has room."""
+        while len(self.gate) and not self._pool_saturated():
+            self._route(*self.gate.release())
 
     def _on_wake(self, slot: ReplicaSlot) -> None:
         if slot.wake_at != self.now or slot.replica is None:
@@ -197,6 +226,8 @@ class ClusterSim(ServeController):
             router.stats_published(slot.replica_id)
         self._schedule_wake(slot)
         self._push(self.now + self.config.routing_stats_period_s, POLL, slot)
+        if self.gate is not None and len(self.gate):  # its new stats may show room
+            self._release_gate()
 
     def _on_push(self, slot: ReplicaSlot) -> None:
         if slot.state != RUNNING:
@@ -275,6 +306,10 @@ class ClusterSim(ServeController):
         else:
             try:
                 slot.replica.add(spec, self.now)
+            except SLOUnreachableError:  # refused at once (a 429): its client has the answer
+                record.rejected, record.routed, record.replica = True, self.now, slot.replica_id
+                self.num_open -= 1
+                return True
             except ValueError:  # can never fit this replica: rejected, as the engine would
                 self.num_open -= 1
                 return True
@@ -396,6 +431,8 @@ class ClusterSim(ServeController):
         if slot.ongoing == self.config.max_ongoing_requests - 1:
             self._free = None
         self.num_open -= 1
+        if self.gate is not None:
+            self.gate.completed(spec, request.num_output_tokens)
         router = self.routers[record.router]
         router.completed(slot.replica_id, request.request_id,
                          len(spec.prompt_token_ids) + spec.max_tokens)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from iterserve.autoscale.sim.kv_pull import SimKVPulls
 from iterserve.autoscale.sim.kv_tiers import SimKVTiers
 from iterserve.autoscale.sim.lora import SimLoRA
+from iterserve.autoscale.sim.tenancy import SimTenancy
 from iterserve.replica.device_idle import WaitDistribution
 from iterserve.replica.sim_runner import SimulatorConfig
 
@@ -64,6 +65,11 @@ class ClusterSimConfig:
     whose requests use one not on the device lasts its load longer (sim/lora.py); the
     replicas report the adapters they hold. None: requests' adapters are ignored.
 
+    tenancy: where set, requests carry their tenant's weight and band into the replicas,
+    whose waiting queues the engine's own policy orders (fcfs, priority, fair), optionally
+    with SLO admission and llm-d-style flow control in front (sim/tenancy.py). None: every
+    request is the default tenant's under fcfs, as before.
+
     engine_waits: where set, every step that follows its replica's previous step at once
     lasts the cost model's time plus a wait drawn from it (the engine's own CPU time,
     measured in a Ray run by the replicas' DeviceIdleMeter), from the replica's own seeded
@@ -95,6 +101,7 @@ class ClusterSimConfig:
     kv_tiers: SimKVTiers | None = None  # host / disk KV tiers per replica (sim/kv_tiers.py)
     kv_pulls: SimKVPulls | None = None  # KV pulls between replicas (sim/kv_pull.py)
     lora: SimLoRA | None = None  # LoRA adapter slots and load costs per replica (sim/lora.py)
+    tenancy: SimTenancy | None = None  # tenants' weights, bands, SLOs; the sharing policy
 
     def __post_init__(self) -> None:
         positive = ("routing_stats_period_s", "metrics_push_interval_s", "look_back_period_s",

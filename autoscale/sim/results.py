@@ -32,6 +32,7 @@ class RequestRecord:
     preemptions: int = 0
     itl_max: float = 0.0  # the longest gap between two of its tokens
     itl_p99: float = 0.0
+    rejected: bool = False  # refused at once by SLO admission (a 429), never queued
 
     @property
     def ttft(self) -> float | None:

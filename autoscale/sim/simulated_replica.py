@@ -35,6 +35,7 @@ from iterserve.autoscale.sim.decodes import DecodeCohort, Decoder
 from iterserve.autoscale.sim.lora import AdapterResidency
 from iterserve.autoscale.sim.prefix import PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes, SyntheticPrompt
+from iterserve.autoscale.sim.tenant_admission import TenantAdmission
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.block_keys import BlockTokens
 from iterserve.replica.config import SchedulerConfig
@@ -92,7 +93,11 @@ class SimulatedReplica:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            scheduler_policy=config.tenancy.engine_policy if config.tenancy else "fcfs",
         )
+        # with tenants: each request's tenant fields (the policy's), and SLO admission
+        self.admission = None if config.tenancy is None else TenantAdmission(
+            config.tenancy, config.dispatch_latency_s + config.stream_latency_s)
         self.clock = VirtualClock(now)
         # with LoRA: its adapters, and the scheduler's max_loras admission rule
         self.adapters = AdapterResidency(config.lora) if config.lora is not None else None
@@ -200,6 +205,9 @@ class SimulatedReplica:
         request.token_times = array("d")  # type: ignore[assignment]
         if self.adapters is not None:
             request.lora_name = spec.adapter
+        if self.admission is not None:  # raises SLOUnreachableError: nothing queued
+            self.scheduler.check_fits(request)
+            self.admission.admit(request, spec.tenant, self.scheduler, now)
         self.scheduler.add_request(request)  # raises if it can never run: nothing marked
         if private is not None:
             self.block_manager.mark_private(spec.request_id, private)
@@ -223,6 +231,8 @@ class SimulatedReplica:
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests():
             self.step_end = None
+            if self.admission is not None:
+                self.admission.went_idle()
             return
         step = self.num_steps + 1
         output = self._schedule_lazily(step) if self.lazy and len(self.decodes) else None
@@ -343,6 +353,9 @@ class SimulatedReplica:
             self._update_decodes(len(self._step_ends))
             return
         self.prefill_rate.record(end, *self._step_prefill)
+        if self.admission is not None:
+            prefill, seconds = self._step_prefill
+            self.admission.step_ended(end - seconds, end, prefill)
         step = self.num_steps
         if not self._step_is_full:
             self._update_decodes(step)
