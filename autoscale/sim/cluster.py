@@ -50,11 +50,24 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 
 from iterserve.autoscale.signals import ReplicaLoad
-from iterserve.autoscale.sim.cluster_controller import TICK, ServeController
+from iterserve.autoscale.sim.cluster_controller import (
+    ARRIVE,
+    PEER_COMPLETED,
+    PEER_ROUTED,
+    POLL,
+    PULL_LANDED,
+    PULL_READ,
+    PUSH,
+    READY,
+    TICK,
+    WAKE,
+    ServeController,
+)
+from iterserve.autoscale.sim.cluster_pulls import KVPullEvents
 from iterserve.autoscale.sim.config import ClusterSimConfig
 from iterserve.autoscale.sim.gateway_flow_control import FlowControlGate, pool_is_saturated
 from iterserve.autoscale.sim.itl import ItlCounter
-from iterserve.autoscale.sim.kv_pull import KVPulls, PullPlan
+from iterserve.autoscale.sim.kv_pull import KVPulls
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
 from iterserve.autoscale.sim.lora import adapter_loads
 from iterserve.autoscale.sim.prefix import ClusterPrefixCache, PromptBlockKeys
@@ -83,11 +96,8 @@ from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.errors import SLOUnreachableError
 from iterserve.replica.request import Request
 
-ARRIVE, WAKE, POLL, PUSH, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
-    range(TICK + 1, TICK + 10)  # the event kinds besides the controller's
 
-
-class ClusterSim(ServeController):
+class ClusterSim(ServeController, KVPullEvents):
     """One run; use `simulate`."""
 
     def __init__(self, workload: Sequence[WorkloadRequest], routers: Sequence[RoutingPolicy],
@@ -339,37 +349,6 @@ class ClusterSim(ServeController):
         for router in self.routers:
             if router.index != origin:
                 router.policy.on_completed(request_id, replica_id, self.now)
-
-    # ------------------------------------------------------------------ KV pulls
-    def _plan_pull(self, spec: WorkloadRequest, slot: ReplicaSlot) -> PullPlan | None:
-        live = {s.replica_id: s.replica for s in self.slots if s.state in (RUNNING, DRAINING)}
-        prompt = spec.prompt_token_ids
-        answers = self._prefix_tiers(prompt, list(live)) if self._prefix_tiers is not None \
-            else {rid: [n] for rid, n in self.prefix_cache(prompt, list(live)).items()}
-        return self.pulls.plan(spec, slot.replica, answers, live)
-
-    def _on_pull_read(self, pull: PullPlan) -> None:
-        holder = self._slot_by_id[pull.holder]
-        if holder.state in (RUNNING, DRAINING):
-            self._touch(holder)  # its cache as it is now: it may have evicted them meanwhile
-        wire_s = self.pulls.read(pull, holder.replica if holder.state in (RUNNING, DRAINING)
-                                 else None)
-        if wire_s is None:  # failed: the request computes the prefix
-            self._arrive_pulled(pull)
-        else:
-            self._push(self.now + wire_s, PULL_LANDED, pull)
-
-    def _on_pull_landed(self, pull: PullPlan) -> None:
-        slot = self._slot_by_id[pull.receiver]
-        self._touch(slot)
-        self.pulls.land(pull, slot.replica)
-        self._arrive_pulled(pull)
-
-    def _arrive_pulled(self, pull: PullPlan) -> None:
-        slot = self._slot_by_id[pull.receiver]  # in flight there: it did not stop
-        self._touch(slot)
-        slot.replica.add(pull.spec, self.now)
-        self._schedule_wake(slot)
 
     def _view(self, router: RouterState, slot: ReplicaSlot) -> ReplicaView:
         rid = slot.replica_id

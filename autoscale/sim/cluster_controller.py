@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from iterserve.autoscale.sim.cluster import ClusterSim
 
 TICK = 0  # the controller's event kind in the cluster's event heap (its loop's period)
+# The cluster's other event kinds (cluster.py; PULL_*: cluster_pulls.py)
+ARRIVE, WAKE, POLL, PUSH, READY, PEER_ROUTED, PEER_COMPLETED, PULL_READ, PULL_LANDED = \
+    range(TICK + 1, TICK + 10)
 
 
 class ServeController:
