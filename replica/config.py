@@ -26,6 +26,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CPU_LINEARS = ("auto", "onednn", "torch")
 CPU_PREFILL_ATTENTIONS = ("auto", "sdpa", "loop")
 CPU_DECODE_ATTENTIONS = ("auto", "blocks", "loop")
+CPU_ELEMENTWISE = ("auto", "compiled", "eager")
 KV_OFFLOADING_BACKENDS = ("native",)  # vLLM's --kv-offloading-backend; lmcache is not ours
 EVICTION_POLICIES = ("lru", "arc", "slru")  # the host KV tier's (replica/host_kv_eviction.py)
 
@@ -272,6 +273,9 @@ class EngineConfig:
     cpu_decode_attention: str = setting(
         "auto", "CPU decode attention: blocks (compiled, over (sequence, KV block) pairs, in "
         "place) or loop (kernels/reference.py)", choices=CPU_DECODE_ATTENTIONS)
+    cpu_elementwise: str = setting(
+        "auto", "CPU RMSNorm, rotary and SiLU*mul: compiled (fused by inductor for prefill-sized "
+        "batches) or eager (kernels/reference.py)", choices=CPU_ELEMENTWISE)
     # LoRA (replica/lora_*.py), vLLM's names. Adapters are PEFT folders; each is served as a
     # model name of its own. Off by default: no linear is wrapped, nothing changes.
     enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders) beside the base "
@@ -315,7 +319,8 @@ class EngineConfig:
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
         for name, choices in (("cpu_linear", CPU_LINEARS),
                               ("cpu_prefill_attention", CPU_PREFILL_ATTENTIONS),
-                              ("cpu_decode_attention", CPU_DECODE_ATTENTIONS)):
+                              ("cpu_decode_attention", CPU_DECODE_ATTENTIONS),
+                              ("cpu_elementwise", CPU_ELEMENTWISE)):
             _require(getattr(self, name) in choices,
                      f"unknown {name} {getattr(self, name)!r}; choose one of {choices}")
 

@@ -17,6 +17,7 @@ from iterserve.replica.async_output import PendingOutput
 from iterserve.replica.attention_metadata import AttentionMetadata, count_leading_decodes
 from iterserve.replica.config import EngineConfig
 from iterserve.replica.cpu_attention import CpuAttention, decode_work
+from iterserve.replica.cpu_elementwise import CpuElementwise
 from iterserve.replica.cpu_linear import pack_linears
 from iterserve.replica.cuda_graphs import DecodeGraphRunner
 from iterserve.replica.disk_kv_tier import block_layout_identity
@@ -74,10 +75,13 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide: documented in EngineConfig
         self.ops = select_ops(self.attention_backend)
         self.cpu_attention: CpuAttention | None = None
+        self.cpu_elementwise: CpuElementwise | None = None
         if self.device.type == "cpu" and self.attention_backend == "torch":
             self.cpu_attention = CpuAttention(config.cpu_prefill_attention,
                                               config.cpu_decode_attention)
             self.ops = self.cpu_attention.ops(self.ops)
+            self.cpu_elementwise = CpuElementwise(config.cpu_elementwise)
+            self.ops = self.cpu_elementwise.ops(self.ops)
         # Seconds and bytes per start-up stage (replica/startup.py): weights, KV cache, graph
         # capture. The replica reports them; the GPU first light reads startup_s.
         self.startup = StartupRecorder()
@@ -127,12 +131,13 @@ class ModelRunner:
             self.host_tier = open_host_tier(config, self.device, self.kv_caches,
                                             self.kv_bytes_per_block)
             self.disk_tier = open_disk_kv_tier(config, self.kv_layout_identity, self.host_tier)
-        if self.cpu_attention is not None:
-            with self.startup.stage("graphs"):  # the compiled CPU decode, built before traffic
+        if self.cpu_attention is not None and self.cpu_elementwise is not None:
+            with self.startup.stage("graphs"):  # the compiled CPU ops, built before traffic
                 mc = self.model_config
                 self.cpu_attention.warm_up(self.kv_caches[0], mc.num_attention_heads, self.dtype,
                                            mc.num_attention_heads + 2 * mc.num_key_value_heads,
                                            self.model.model.layers[0].self_attn.scale)
+                self._warm_up_elementwise(self.cpu_elementwise)
         self.step_inputs = PackedStepInputs(self.device)  # the eager step's one H2D copy
         self.graphs: DecodeGraphRunner | None = None
         # The LoRA rows -> slots change every step outside a captured graph: eager with LoRA.
@@ -160,7 +165,15 @@ class ModelRunner:
         attention = (self.cpu_attention.paths if self.cpu_attention is not None else
                      {"prefill_attention": self.attention_backend,
                       "decode_attention": self.attention_backend})
-        return {"linear": self._linear_path, **attention}
+        elementwise = (self.cpu_elementwise.path if self.cpu_elementwise is not None else
+                       "eager")
+        return {"linear": self._linear_path, **attention, "elementwise": elementwise}
+
+    def _warm_up_elementwise(self, elementwise: CpuElementwise) -> None:
+        mc, norm = self.model_config, self.model.model.norm
+        elementwise.warm_up(mc.hidden_size, mc.intermediate_size, mc.num_attention_heads,
+                            mc.num_key_value_heads, mc.head_dim, self.dtype, norm.weight,
+                            norm.eps, self.model.cos_sin_cache)
 
     # ------------------------------------------------------------------------------ memory
     @property

@@ -5,7 +5,7 @@
 Made concrete: the model (a name or None -> the file or folder, replica/model_source.py), the
 served model name, the device, the dtype, the attention backend, async scheduling (on exactly
 when the model runs on CUDA), the CPU paths (oneDNN linears, SDPA prefill and block decode
-attention on CPU), max_model_len (bounded by the model and its sliding window) and
+attention, compiled elementwise ops on CPU), max_model_len (bounded by the model and its sliding window) and
 max_num_batched_tokens. The deployment resolves its engine settings once on the driver and
 passes the resolved config down; the engine resolves what it is given, which changes nothing
 when it is already resolved (idempotent), so `/v1/models` shows the values the engine really
@@ -56,7 +56,8 @@ def resolve_engine_config(config: EngineConfig, cuda_available: bool | None = No
         cpu_prefill_attention=_concrete(config.cpu_prefill_attention,
                                         "loop" if on_cuda else "sdpa"),
         cpu_decode_attention=_concrete(config.cpu_decode_attention,
-                                       "loop" if on_cuda else "blocks"))
+                                       "loop" if on_cuda else "blocks"),
+        cpu_elementwise=_concrete(config.cpu_elementwise, "eager" if on_cuda else "compiled"))
     try:
         model_path = resolve_model_path(config.model)
         model_config = read_model_config(model_path)

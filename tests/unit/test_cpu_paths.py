@@ -1,5 +1,5 @@
-"""The engine's CPU paths: oneDNN linears, SDPA prefill and compiled block decode attention,
-their settings and fallbacks, and the CPU KV cache sized from free memory.
+"""The engine's CPU paths: oneDNN linears, SDPA prefill, compiled block decode attention and
+compiled elementwise ops, their settings and fallbacks, and the CPU KV cache sized from free memory.
 
 The attention kernels themselves are checked against kernels/reference.py in
 tests/kernels/test_cpu_attention.py; here the engine runs them.
@@ -19,8 +19,10 @@ from iterserve.replica.config import CacheConfig, EngineConfig
 from iterserve.replica.models.layers import Linear
 from iterserve.replica.resolve import resolve_engine_config
 
-ALL_LOOPS = dict(cpu_linear="torch", cpu_prefill_attention="loop", cpu_decode_attention="loop")
-FAST = {"linear": "onednn", "prefill_attention": "sdpa", "decode_attention": "blocks"}
+ALL_LOOPS = dict(cpu_linear="torch", cpu_prefill_attention="loop", cpu_decode_attention="loop",
+                 cpu_elementwise="eager")
+FAST = {"linear": "onednn", "prefill_attention": "sdpa", "decode_attention": "blocks",
+        "elementwise": "compiled"}
 
 
 def tiny(**kwargs: object) -> LLM:
@@ -29,15 +31,17 @@ def tiny(**kwargs: object) -> LLM:
 
 def test_cpu_paths_resolve_fast_on_cpu_and_unused_on_cuda() -> None:
     on_cpu = resolve_engine_config(EngineConfig(model="iterserve-tiny"), cuda_available=False)
-    assert (on_cpu.cpu_linear, on_cpu.cpu_prefill_attention,
-            on_cpu.cpu_decode_attention) == ("onednn", "sdpa", "blocks")
+    assert (on_cpu.cpu_linear, on_cpu.cpu_prefill_attention, on_cpu.cpu_decode_attention,
+            on_cpu.cpu_elementwise) == ("onednn", "sdpa", "blocks", "compiled")
     on_cuda = resolve_engine_config(EngineConfig(model="iterserve-tiny"), cuda_available=True)
-    assert (on_cuda.cpu_linear, on_cuda.cpu_prefill_attention,
-            on_cuda.cpu_decode_attention) == ("torch", "loop", "loop")
+    assert (on_cuda.cpu_linear, on_cuda.cpu_prefill_attention, on_cuda.cpu_decode_attention,
+            on_cuda.cpu_elementwise) == ("torch", "loop", "loop", "eager")
     chosen = EngineConfig.from_kwargs(model="iterserve-tiny", **ALL_LOOPS)
     assert resolve_engine_config(chosen, cuda_available=False).cpu_linear == "torch"
     with pytest.raises(ValueError, match="cpu_decode_attention"):
         EngineConfig.from_kwargs(cpu_decode_attention="padded")
+    with pytest.raises(ValueError, match="cpu_elementwise"):
+        EngineConfig.from_kwargs(cpu_elementwise="fused")
 
 
 def test_decode_attention_runs_compiled_on_this_machine() -> None:
@@ -97,7 +101,7 @@ def test_a_packed_linear_that_differs_falls_back_to_f_linear_loudly(
 def test_torch_linears_pack_nothing() -> None:
     runner = tiny(**ALL_LOOPS).engine.runner
     assert runner.cpu_paths == {"linear": "torch", "prefill_attention": "loop",
-                                "decode_attention": "loop"}
+                                "decode_attention": "loop", "elementwise": "eager"}
     assert all(m.packed is None for m in runner.model.modules() if isinstance(m, Linear))
 
 

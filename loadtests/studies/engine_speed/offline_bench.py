@@ -180,11 +180,13 @@ def engine_throughput(workload: list[WorkloadRequest], mode: str, concurrency: i
 
 
 # The ablation: each CPU path back to today's (issue 38), one at a time and all together.
-TODAY = {"cpu_linear": "torch", "cpu_prefill_attention": "loop", "cpu_decode_attention": "loop"}
+TODAY = {"cpu_linear": "torch", "cpu_prefill_attention": "loop", "cpu_decode_attention": "loop",
+         "cpu_elementwise": "eager"}
 ABLATION = {
     "continuous F.linear": ("F.linear", {"cpu_linear": "torch"}),
     "continuous loop prefill": ("loop prefill", {"cpu_prefill_attention": "loop"}),
     "continuous loop decode": ("loop decode", {"cpu_decode_attention": "loop"}),
+    "continuous eager elementwise": ("eager elementwise", {"cpu_elementwise": "eager"}),
     "continuous today": ("today's path", TODAY),
 }
 
