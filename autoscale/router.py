@@ -66,6 +66,7 @@ from iterserve.autoscale.lora_affinity import (
     request_adapter,
     waiting_counts,
 )
+from iterserve.autoscale.lora_in_flight import AdaptersInFlight, with_adapters_in_flight
 from iterserve.autoscale.pull_pricing import pullable_tokens, with_pull_credit
 from iterserve.autoscale.replica_cache_reports import (
     ParsedLoads,
@@ -171,6 +172,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         # a request Serve never routes must not stay here forever).
         self._hits: dict[str, dict[ReplicaID, int]] = {}
         self._replica_ids: dict[str, ReplicaID] = {}  # unique id -> id, for peers' events
+        # The adapters of this router's requests in flight per replica: held and running
+        # there before the replica's stats can say so (lora_in_flight.py).
+        self._adapters_in_flight: AdaptersInFlight[ReplicaID] = AdaptersInFlight()
         self._sync: RouterSync | None = None
         if self.config.router_sync_period_s is not None:
             deployment = self._deployment_id
@@ -259,8 +263,10 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             waiting = waiting_counts(replica_ids, loads, [self._core.in_flight.correction(
                 rid, load) for rid, load in zip(replica_ids, loads, strict=True)], now,
                 self.config)
-            ranked = prefer_adapter_holders(ranked, dict(zip(replica_ids, loads, strict=True)),
-                                            waiting, adapter, self.config.lora_affinity_slack)
+            held = {rid: with_adapters_in_flight(load, self._adapters_in_flight.adapters(rid))
+                    for rid, load in zip(replica_ids, loads, strict=True)}
+            ranked = prefer_adapter_holders(ranked, held, waiting, adapter,
+                                            self.config.lora_affinity_slack)
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
             if pullable is not None:
@@ -312,6 +318,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         hit = self._hits.pop(request_id, {}).get(replica_id, 0)
         now, prefill = time.time(), max(0, len(token_ids or ()) - hit)
         self._core.routed(request_id, replica_id, now, key, num_tokens, prefill_tokens=prefill)
+        self._adapters_in_flight.routed(
+            request_id, replica_id, request_adapter(pending_request.args, pending_request.kwargs))
         if self._sync is not None:
             self._sync.sent(request_id, replica_id.unique_id, now, num_tokens, prefill)
         self._metrics.record_decision(replica_id.unique_id)
@@ -319,6 +327,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
         self._core.completed(internal_request_id)
+        self._adapters_in_flight.completed(internal_request_id)
         if self._sync is not None:
             self._sync.completed(internal_request_id, replica_id.unique_id)
 
@@ -327,6 +336,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self._ensure_state()
         self._core.keep_only(r.replica_id for r in replicas)
         self._parsed.keep_only(r.replica_id for r in replicas)
+        self._adapters_in_flight.keep_only(r.replica_id for r in replicas)
         self._replica_ids = {r.replica_id.unique_id: r.replica_id for r in replicas}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

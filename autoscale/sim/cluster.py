@@ -69,7 +69,7 @@ from iterserve.autoscale.sim.gateway_flow_control import FlowControlGate, pool_i
 from iterserve.autoscale.sim.itl import ItlCounter
 from iterserve.autoscale.sim.kv_pull import KVPulls
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
-from iterserve.autoscale.sim.lora import adapter_loads
+from iterserve.autoscale.sim.lora import adapter_loads, adapter_readers
 from iterserve.autoscale.sim.prefix import ClusterPrefixCache, PromptBlockKeys
 from iterserve.autoscale.sim.prompts import PackedPrefixes
 from iterserve.autoscale.sim.results import RequestRecord, SimResult
@@ -456,6 +456,7 @@ class ClusterSim(ServeController, KVPullEvents):
             itl_counts=self.itl.histogram(),
             adapter_loads=adapter_loads(e.adapters for e in engines if e.adapters is not None)
             if self.config.lora is not None else {},
+            adapter_readers=adapter_readers(e.adapters for e in engines if e.adapters is not None),
             num_steps=sum(e.num_steps for e in engines),
             kv_pulls=self.pulls.summary() if self.pulls is not None else {},
             router_names=[r.policy.name for r in self.routers],

@@ -35,6 +35,7 @@ from iterserve.autoscale.config import RouterConfig
 from iterserve.autoscale.kv_pull_cost import credit_pulls
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
 from iterserve.autoscale.lora_affinity import prefer_adapter_holders, waiting_counts
+from iterserve.autoscale.lora_in_flight import AdaptersInFlight, with_adapters_in_flight
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
@@ -72,6 +73,7 @@ class IterserveRouter:
         self.in_flight = in_flight
         self.lora_affinity = lora_affinity
         self.kv_pulls = kv_pulls
+        self.adapters_in_flight: AdaptersInFlight[Hashable] = AdaptersInFlight()
         self._pending: tuple[str, int | None, int] | None = None
         self._cached: Mapping[Hashable, int] | None = None
         self._offer_token: object = None  # the caller's token of the offer below
@@ -123,8 +125,10 @@ class IterserveRouter:
             corrections = [self.core.in_flight.correction(rid, load)
                            for rid, load in zip(ids, loads, strict=True)]
         waiting = waiting_counts(ids, loads, corrections, ctx.now, self.config)
-        return prefer_adapter_holders(ranked, dict(zip(ids, loads, strict=True)), waiting,
-                                      adapter, self.config.lora_affinity_slack)[0]
+        held = {rid: with_adapters_in_flight(load, self.adapters_in_flight.adapters(rid))
+                for rid, load in zip(ids, loads, strict=True)}
+        return prefer_adapter_holders(ranked, held, waiting, adapter,
+                                      self.config.lora_affinity_slack)[0]
 
     def _choose_offered(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         """choose() where the caller says what changed since the previous request
@@ -195,6 +199,8 @@ class IterserveRouter:
         hit = 0 if self._cached is None else self._cached.get(replica_id, 0)
         self.core.routed(request.request_id, replica_id, now, key, tokens,
                          prefill_tokens=max(0, len(request.prompt_token_ids) - hit))
+        if self.lora_affinity:
+            self.adapters_in_flight.routed(request.request_id, replica_id, request.adapter)
 
     def on_peer_routed(self, request: RouteRequest, replica_id: Hashable, sent_at: float,
                        prefill_tokens: int, now: float) -> None:
@@ -204,6 +210,8 @@ class IterserveRouter:
 
     def on_completed(self, request_id: str, replica_id: Hashable, now: float) -> None:
         self.core.completed(request_id)
+        self.adapters_in_flight.completed(request_id)
 
     def on_replicas_changed(self, replica_ids: Sequence[Hashable]) -> None:
         self.core.keep_only(replica_ids)
+        self.adapters_in_flight.keep_only(replica_ids)

@@ -19,7 +19,7 @@ disk then costs ~45 ms, from host ~3.4 ms.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -61,6 +61,7 @@ class AdapterResidency:
         self.host: OrderedDict[str, None] = OrderedDict()  # holds the device's too
         self.loads_from_host = 0
         self.loads_from_disk = 0
+        self.ever_read: set[str] = set()  # every adapter this replica has read from disk
 
     def held(self) -> frozenset[str]:
         """What the replica reports holding: every adapter it can serve without a disk read
@@ -88,6 +89,7 @@ class AdapterResidency:
                 self._hold_on_device(name, needed)
             else:
                 self.loads_from_disk += 1
+                self.ever_read.add(name)
                 seconds += self.config.disk_load_s
                 self._hold_on_device(name, needed)
                 self._hold_in_host(name, needed)
@@ -118,3 +120,13 @@ def adapter_loads(residencies: Iterable[AdapterResidency]) -> dict[str, int]:
         host += residency.loads_from_host
         disk += residency.loads_from_disk
     return {"from_host": host, "from_disk": disk}
+
+
+def adapter_readers(residencies: Iterable[AdapterResidency]) -> dict[str, int]:
+    """Each adapter's number of replicas that read it from disk at least once: one read per
+    adapter is the cluster's first, each further replica's first read is a spread, and the
+    replicas' disk loads beyond these are re-reads after their host LRU dropped it."""
+    readers: Counter[str] = Counter()
+    for residency in residencies:
+        readers.update(residency.ever_read)
+    return dict(readers)

@@ -70,6 +70,8 @@ class SimResult:
     tier_tokens: dict[str, float] = field(default_factory=dict)
     # With LoRA adapters (ClusterSimConfig.lora): the replicas' adapter loads (sim.lora)
     adapter_loads: dict[str, int] = field(default_factory=dict)
+    # ... and per adapter, how many replicas read it from disk (sim.lora.adapter_readers)
+    adapter_readers: dict[str, int] = field(default_factory=dict)
     # With KV pulls (ClusterSimConfig.kv_pulls): their counts (sim.kv_pull.KVPulls.summary)
     kv_pulls: dict[str, float] = field(default_factory=dict)
 

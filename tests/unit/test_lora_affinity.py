@@ -138,3 +138,34 @@ def test_a_tenant_namespace_narrows_to_the_adapter_alike_in_engine_and_router() 
     pending = _pending([PROMPT, None, "r", 0], "n1")
     pending.kwargs.update(cache_namespace=tenant, lora_request=lora)
     assert request_namespace(pending) == both  # what the engine's add_request computes
+
+
+def test_an_adapter_no_replica_holds_goes_where_fewest_adapters_are_held() -> None:
+    """As Ray's multiplexing places a new model: the replica holding the fewest adapters
+    takes it (a new partition, not one more adapter mixed into the leader's slots), among
+    those within the slack and with a slot free; the ranking breaks ties."""
+    loads = {"leader": load(0, ("a", "b", "c")), "light": load(2, ("d",)),
+             "empty_far": load(20), "also_light": load(1, ("e",))}
+    ranked = ["leader", "also_light", "light", "empty_far"]
+    assert prefer(ranked, loads, "sql", 8.0)[0] == "also_light"
+    full = load(0, (), running=("x", "y"), max_loras=2)  # holds none, but no slot free
+    assert prefer(["leader", "full"], {"leader": loads["leader"], "full": full}, "sql",
+                  8.0)[0] == "leader"
+
+
+def test_the_router_counts_its_requests_in_flight_as_holding_their_adapter() -> None:
+    """The replicas' stats show an adapter only after a request for it ran there and the
+    next report came: until then, the replica this router sent the adapter's first request
+    to takes the next ones, not a second replica that would read it from disk again."""
+    router = _router()
+    replicas = [_FakeReplica(name, load(0).to_dict()) for name in ("r1", "r2", "r3", "r4")]
+    lora = LoRARequest("sql", "/adapters/sql")
+    args = [PROMPT, None, "r", 0, lora]
+    first = asyncio.run(router.choose_replicas(replicas, _pending(args, "p0")))[0][0]
+    router.on_request_routed(_pending(args, "p0"), first.replica_id, None)
+    assert _first(router, replicas, args) == {first.replica_id.unique_id}
+    # another adapter avoids it: the first's request holds one of its adapters
+    other = [PROMPT, None, "r", 0, LoRARequest("chat", "/adapters/chat")]
+    assert first.replica_id.unique_id not in _first(router, replicas, other)
+    router.on_request_completed(first.replica_id, "p0")
+    assert len(_first(router, replicas, args, n=40)) > 1  # nothing in flight: the shuffle

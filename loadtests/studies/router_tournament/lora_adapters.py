@@ -15,9 +15,9 @@ admission rule (at most max_loras distinct adapters running), simulated load cos
 Contestants: iterserve (the real router with lora_affinity_slack), iterserve without lora
 affinity, iterserve with wider slacks, Ray Serve's multiplexing (baseline_lora_routers.py),
 random. Per cell: p50/p99 TTFT (bootstrap 95 % intervals), throughput, adapter loads (host
-and disk), and how many replicas served the hottest adapter (over the second half of the
-run, past the warm-up and, in "reversed", after the turn). Writes results/lora_adapters.json
-and .md.
+and disk), the loads by cause (`load_causes`), and how many replicas served the hottest
+adapter (over the second half of the run, past the warm-up and, in "reversed", after the
+turn). Writes results/<--stem>.json and .md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import dataclasses
 import json
 import multiprocessing
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from iterserve.autoscale.sim.lora import SimLoRA
 from iterserve.autoscale.sim.lora_workload import adapter_name, with_zipf_adapters
 from iterserve.autoscale.sim.routing_context import RoutingPolicy
 from iterserve.autoscale.sim.shapes import make
+from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.loadtests.studies import results_of
 from iterserve.loadtests.studies.router_tournament.tournament import cell_duration_s
 from iterserve.loadtests.studies.router_tournament.tournament_cells import (
@@ -91,6 +93,33 @@ def hottest_adapter(cell: dict[str, Any]) -> str:
     return adapter_name(rank)
 
 
+def hot_adapters(requests: Sequence[WorkloadRequest], replicas: int, half: float
+                 ) -> frozenset[str]:
+    """The adapters with more than one replica's share of the traffic in either half of
+    the run: those a router may have to spread."""
+    hot: set[str] = set()
+    for in_half in (lambda t: t < half, lambda t: t >= half):
+        named = Counter(r.adapter for r in requests
+                        if r.adapter is not None and in_half(r.arrival_time))
+        total = sum(named.values())
+        hot.update(a for a, n in named.items() if n * replicas > total)
+    return frozenset(hot)
+
+
+def load_causes(loads: dict[str, int], readers: dict[str, int], hot: frozenset[str]
+                ) -> dict[str, int]:
+    """The cell's adapter loads by cause (they sum to its loads): each adapter's first
+    read in the cluster; a further replica's first read of a hot adapter (spreading it) or
+    of a cold one (landing where it is not held while another replica holds it); a re-read
+    from disk after a replica's host LRU dropped it; a copy from host after its device slot
+    was taken."""
+    return {"first": len(readers),
+            "spread_hot": sum(n - 1 for a, n in readers.items() if a in hot),
+            "spread_cold": sum(n - 1 for a, n in readers.items() if a not in hot),
+            "host_lru_reread": loads["from_disk"] - sum(readers.values()),
+            "slot_reload": loads["from_host"]}
+
+
 def run_lora_cell(cell: dict[str, Any]) -> dict[str, Any]:
     half = cell["duration_s"] / 2
     requests = with_zipf_adapters(
@@ -109,13 +138,17 @@ def run_lora_cell(cell: dict[str, Any]) -> dict[str, Any]:
     return {**cell, "cpu_s": time.process_time() - cpu, **summarise(result, cell["seed"]),
             "adapter_loads": result.adapter_loads,
             "adapter_loads_total": sum(result.adapter_loads.values()),
+            "load_causes": load_causes(result.adapter_loads, result.adapter_readers,
+                                       hot_adapters(requests, cell["replicas"], half)),
             "hot_adapter": hot, "hot_adapter_replicas": len(hot_replicas)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| variant | replicas | load | seed | router | p50 TTFT (s) | p99 TTFT (s) [95 % CI] "
-             "| throughput (tok/s) | adapter loads host / disk | replicas serving the hottest |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| throughput (tok/s) | adapter loads host / disk | loads by cause: first / "
+             "spread hot / spread cold / host re-read / slot reload | "
+             "replicas serving the hottest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["variant"], r["replicas"], r["load"], r["seed"],
                                             r["router"])):
         p99 = r["ttft_p99_s"]
@@ -123,8 +156,16 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{r['router']} | {r['ttft_p50_s'][0]:.3f} | {p99[0]:.3f} "
                      f"[{p99[1]:.3f}, {p99[2]:.3f}] | {r['throughput_tok_s']:.0f} | "
                      f"{r['adapter_loads']['from_host']} / {r['adapter_loads']['from_disk']} | "
-                     f"{r['hot_adapter_replicas']} |")
+                     f"{_causes(r)} | {r['hot_adapter_replicas']} |")
     return "\n".join(lines) + "\n" + measure_lines(results)
+
+
+def _causes(result: dict[str, Any]) -> str:
+    causes = result.get("load_causes")  # absent in the stores of earlier runs
+    if causes is None:
+        return "-"
+    return " / ".join(str(causes[k]) for k in ("first", "spread_hot", "spread_cold",
+                                                 "host_lru_reread", "slot_reload"))
 
 
 def measure_lines(results: list[dict[str, Any]]) -> str:
@@ -166,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-cpu-loras", type=int, default=32, help="host adapter LRU size")
     parser.add_argument("--out", type=Path, default=results_of("router_tournament"),
                         help="folder of tournament.json and the outputs")
+    parser.add_argument("--stem", default="lora_adapters",
+                        help="the outputs' file name before .json / .md (keeps earlier runs)")
     args = parser.parse_args(argv)
     store = json.loads((args.out / "tournament.json").read_text())
     capacity = store["capacity"][json.dumps([WORKLOAD, None])]
@@ -176,9 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        capacity, adapters)
     with multiprocessing.Pool(args.jobs) as pool:
         results = pool.map(run_lora_cell, cells)
-    (args.out / "lora_adapters.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"{args.stem}.json").write_text(json.dumps(results, indent=1))
     text = table(results)
-    (args.out / "lora_adapters.md").write_text(text)
+    (args.out / f"{args.stem}.md").write_text(text)
     print(text)
     return 0
 
