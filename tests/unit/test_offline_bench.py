@@ -102,7 +102,8 @@ def test_throughput_table_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) 
                         "4", "--concurrency", "2", "--rounds", "2", "--skip-hf", "--threads", "1"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| iterserve")]
-    paths = " [linear onednn, prefill_attention sdpa, decode_attention blocks]"  # what ran
+    paths = (" [linear onednn, prefill_attention sdpa, decode_attention blocks, "
+             "elementwise compiled]")  # what ran
     assert [row.split(" | ")[0] for row in rows] == ["| iterserve continuous" + paths,
                                                      "| iterserve static" + paths]
     assert all(row.split(" | ")[1:3] == ["1", "2"] for row in rows)  # threads, rounds
