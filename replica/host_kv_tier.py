@@ -24,12 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [N, B, Hkv, D] each
 DEVICE_TO_HOST = "GPU_to_CPU"  # vLLM's kv_offload transfer_type labels
 HOST_TO_DEVICE = "CPU_to_GPU"
 TRANSFER_TYPES = (DEVICE_TO_HOST, HOST_TO_DEVICE)
+# One block's bytes in read_slot's order: bytes from disk, or a row of a peer's payload
+# (a read-only view of Ray's object store: copied once, by write_slots).
+BlockBytes = bytes | np.ndarray
 GIB = 2**30
 AUTO_FRACTION = 0.5  # of a replica's share of the free memory: the rest is the page cache's
 AUTO_CAP_GIB = 64.0  # more is rarely hit again before it is evicted; ask for it explicitly
@@ -143,18 +147,35 @@ class HostKVTier:
             rows += [block_major(k_cache)[block], block_major(v_cache)[block]]
         return torch.cat([row.reshape(-1).view(torch.uint8) for row in rows]).cpu().numpy().tobytes()
 
-    def write_slot(self, slot: int, payload: bytes) -> None:
-        """Fill the slot with bytes read_slot made (a block read back from disk)."""
-        if len(payload) != self.bytes_per_block:
-            raise ValueError(f"a block payload of {len(payload)} bytes, expected "
-                             f"{self.bytes_per_block}")
+    def write_slots(self, writes: Sequence[tuple[int, BlockBytes]]) -> None:
+        """Fill slots with blocks' bytes as read_slot makes them (read back from disk, or a
+        peer's KVBlockPayload rows): (slot, bytes) pairs, each slot named once. The blocks are
+        stacked once, then each layer's K and V written with one indexed copy for all of
+        them (a pull's 31 blocks, 22.9 MB, on one core of this project's CPU: 6-13 ms, against
+        22-44 ms block by block, 60 row copies a block, side by side at load 8)."""
+        if not writes:
+            return
+        rows = []
+        for _, payload in writes:
+            row = np.frombuffer(payload, dtype=np.uint8)
+            if row.size != self.bytes_per_block:
+                raise ValueError(f"a block payload of {row.size} bytes, expected "
+                                 f"{self.bytes_per_block}")
+            rows.append(row)
         if self._stream is not None:
             self._stream.synchronize()
-        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        source = torch.from_numpy(np.stack(rows))  # [n, bytes_per_block] uint8, writable
+        slots = torch.tensor([slot for slot, _ in writes], dtype=torch.long)
         offset = 0
-        for row in self._rows(slot):
-            row.copy_(source[offset : offset + row.numel()])
-            offset += row.numel()
+        for host_k, host_v in zip(self.keys, self.values, strict=True):
+            for host in (host_k, host_v):
+                slot_rows = block_major(host)  # [num_slots, ...] contiguous
+                width = slot_rows[0].nbytes
+                # Each block's part for this tensor, in the tensor's own dtype: an indexed
+                # copy of uint8 rows ran 3.5x slower than of the same bytes as fp32.
+                part = source[:, offset : offset + width].view(slot_rows.dtype)
+                slot_rows.index_copy_(0, slots, part.view(len(writes), *slot_rows.shape[1:]))
+                offset += width
 
     def _copy(self, direction: str, kv_caches: Sequence[KVCache], blocks: list[int],
               slots: list[int]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from iterserve.replica.block_hashes import ROOT, stable_block_hash
 from iterserve.replica.block_keys import BlockHash, BlockTokens
@@ -34,6 +35,9 @@ from iterserve.replica.disk_kv_tier import DiskKVTier
 from iterserve.replica.free_block_pool import FreeBlockPool
 from iterserve.replica.host_kv_index import HostEntry, HostKVIndex
 from iterserve.replica.kv_write_generations import WriteGenerations
+
+if TYPE_CHECKING:
+    from iterserve.replica.host_kv_tier import BlockBytes
 
 # Per cached block with a host tier: its parent's hash, its tokens, and its stable chain hash
 # (0 without a disk tier: nothing reads it).
@@ -95,7 +99,7 @@ class KVTierPlans:
         self.kv_stores: list[tuple[int, int]] = []
         self.kv_loads: list[tuple[int, int]] = []
         self.kv_spills: list[DiskSpill] = []
-        self.kv_disk_loads: list[tuple[int, bytes]] = []
+        self.kv_disk_loads: list[tuple[int, BlockBytes]] = []
         # Host slots written this step: the device block stored there (None: a promotion).
         self._written_slots: dict[int, int | None] = {}
         self._from_disk: set[int] = set()  # host slots holding a promotion no request took yet
@@ -142,7 +146,7 @@ class KVTierPlans:
             self.host.unpin_all()
         return stores, loads
 
-    def receive_block(self, entry: HostEntry, payload: bytes) -> bool:
+    def receive_block(self, entry: HostEntry, payload: BlockBytes) -> bool:
         """A block another engine sent (replica/kv_transfer.py) joins the host tier: its bytes
         are written into a host slot before the next step's loads, as a disk promotion's are,
         and a prompt's lookup then copies it to the device like any host hit. The slot stays
@@ -221,7 +225,7 @@ class KVTierPlans:
         else:
             self.kv_spills.append(DiskSpill(entry.stable, host_slot=slot))
 
-    def take_disk_copies(self) -> tuple[list[DiskSpill], list[tuple[int, bytes]]]:
+    def take_disk_copies(self) -> tuple[list[DiskSpill], list[tuple[int, BlockBytes]]]:
         """This step's (spills, promotions), for the runner: spills before the stores,
         promotions after them and before the loads."""
         spills, promotions = self.kv_spills, self.kv_disk_loads

@@ -327,7 +327,7 @@ def import_blocks(engine: LLMEngine, token_ids: Sequence[int], namespace: CacheN
         if _held(engine, block) is not None:
             continue  # held already (a hit moves it up the tier's LRU anyway)
         entry = HostEntry(block.key, block.parent, block.tokens, block.stable)
-        if not manager.receive_block(entry, payload.kv[row].tobytes()):
+        if not manager.receive_block(entry, payload.kv[row]):
             break  # no host slot free this step: the rest is computed
         taken += 1
     manager.kv_blocks_received += taken

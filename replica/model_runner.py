@@ -261,8 +261,7 @@ class ModelRunner:
                         else tier.read_device_block(self.kv_caches, spill.device_block))
                        for spill in out.kv_spills]
             tier.store(self.kv_caches, out.kv_stores)
-            for slot, payload in out.kv_disk_loads:
-                tier.write_slot(slot, payload)
+            tier.write_slots(out.kv_disk_loads)
             tier.load(self.kv_caches, out.kv_loads)
         except Exception as error:  # noqa: BLE001 - re-raised as a fault of the whole step
             # Not one request's fault: fault isolation would rerun the requests one by one

@@ -18,6 +18,7 @@ from iterserve.replica.logprobs import PromptLogprobsChunk, TokenLogprobs
 from iterserve.replica.request import Request
 
 if TYPE_CHECKING:
+    from iterserve.replica.host_kv_tier import BlockBytes
     from iterserve.replica.kv_tier_plans import DiskSpill
 
 
@@ -77,9 +78,10 @@ class SchedulerOutput:
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
     # The disk tier's part (empty without one): host slots whose evicted block goes to disk
     # (kv_tier_plans.DiskSpill), read before this step's stores overwrite them; blocks read
-    # back from disk into host slots (slot, payload), written before the loads copy them on.
+    # back from disk or received from a peer into host slots (slot, payload), written before
+    # the loads copy them on.
     kv_spills: list[DiskSpill] = field(default_factory=list)
-    kv_disk_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_disk_loads: list[tuple[int, BlockBytes]] = field(default_factory=list)
     # The (device block, host slot) writes this step's copies and forward make, closed when
     # it has finished (replica/kv_write_generations.py).
     kv_writes: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))

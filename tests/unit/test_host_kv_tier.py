@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,7 +155,7 @@ def test_the_side_stream_path_brings_blocks_back_on_cuda() -> None:
 
 @pytest.mark.parametrize("decode", ["blocks", "loop"])  # block-transposed K, or contiguous
 def test_a_slots_bytes_round_trip_for_the_disk_tier(decode: str) -> None:
-    """read_slot / read_device_block give the disk tier a block's bytes; write_slot puts
+    """read_slot / read_device_block give the disk tier a block's bytes; write_slots puts
     them back in a slot, from where the block loads bit for bit."""
     attention = CpuAttention("sdpa", decode)
     caches = [attention.allocate(6, 4, 2, 8, torch.float32) for _ in range(2)]
@@ -167,12 +168,35 @@ def test_a_slots_bytes_round_trip_for_the_disk_tier(decode: str) -> None:
     payload = tier.read_slot(1)
     assert len(payload) == tier.bytes_per_block
     assert payload == tier.read_device_block(caches, 4)  # the same bytes, the same order
-    tier.write_slot(2, payload)
+    tier.write_slots([(2, payload)])
     tier.load(caches, [(2, 0)])
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k[0], k0[4]) and torch.equal(v[0], v0[4])
     with pytest.raises(ValueError, match="a block payload of 3 bytes"):
-        tier.write_slot(0, b"abc")
+        tier.write_slots([(0, b"abc")])
+
+
+@pytest.mark.parametrize("decode", ["blocks", "loop"])
+def test_many_blocks_written_at_once_land_each_in_its_slot(decode: str) -> None:
+    """A peer's payload rows (read-only numpy views, as Ray's object store hands them out)
+    and disk bytes mixed, written to slots out of order in one call: each slot then holds
+    its own block, bit for bit, and loads back into the device like a stored one."""
+    attention = CpuAttention("sdpa", decode)
+    caches = [attention.allocate(8, 4, 2, 8, torch.float32) for _ in range(3)]
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    tier = HostKVTier(5, caches)
+    rows = np.stack([np.frombuffer(tier.read_device_block(caches, block), dtype=np.uint8)
+                     for block in (1, 2, 3)])
+    rows.flags.writeable = False
+    tier.write_slots([(4, rows[0]), (0, rows[1]), (2, tier.read_device_block(caches, 3))])
+    tier.load(caches, [(4, 5), (0, 6), (2, 7)])
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        for block, source in ((5, 1), (6, 2), (7, 3)):
+            assert torch.equal(k[block], k0[source]) and torch.equal(v[block], v0[source])
+        assert torch.equal(k[0], k0[0])  # blocks no load named are untouched
 
 
 @pytest.mark.gpu
@@ -186,7 +210,7 @@ def test_slot_bytes_wait_for_the_side_stream_on_cuda() -> None:
     tier.store(caches, [(5, 3)])
     payload = tier.read_slot(3)
     assert payload == tier.read_device_block(caches, 5)
-    tier.write_slot(0, payload)
+    tier.write_slots([(0, payload)])
     tier.load(caches, [(0, 1)])
     torch.cuda.synchronize()
     assert all(torch.equal(k[1], k[5]) and torch.equal(v[1], v[5]) for k, v in caches)
