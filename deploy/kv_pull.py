@@ -9,10 +9,10 @@ object store, instead of computing it (the transfer itself: replica/kv_transfer.
                                    `export_kv_blocks` through a handle to its own deployment
                                    with `route_to_replica` naming the holder (the router ranks
                                    only that replica), within `timeout_s`
-    holder (`export_chunks`)       copies the blocks, a chunk of at most CHUNK_BYTES at a
-                                   time: off its engine thread without waiting for a step
-                                   where it can (CPU), else between two of its steps; and
-                                   `ray.put`s each chunk
+    holder (`export_chunks`)       copies the blocks off its engine thread without waiting
+                                   for a step where it can (CPU: the whole pull in one
+                                   chunk), else between two of its steps, a chunk of at most
+                                   CHUNK_BYTES at a time; and `ray.put`s each chunk
     receiver                       reads the chunks' refs and imports each into its host tier,
                                    from where the engine's onboarding copies them to the device
 
@@ -57,7 +57,8 @@ from iterserve.replica.kv_transfer import (
 logger = logging.getLogger(__name__)
 
 # The most bytes the holder copies between two of its steps: its batch waits for one
-# chunk's copy at a time (~10 ms at memory speed), however long the prefix.
+# chunk's copy at a time (~10 ms at memory speed), however long the prefix. A copy off the
+# engine thread (CPU) takes the whole pull at once: one copy, one put, one import.
 CHUNK_BYTES = 16 * 2**20
 
 
@@ -87,35 +88,81 @@ class PullHint:
         return None
 
 
+@dataclass
+class ExportTimes:
+    """The holder's side of the pulls it served: calls, and seconds per phase (copying blocks
+    off the engine thread, finishing a chunk between two steps, putting chunks into the object
+    store), for info(): with the puller's own phases they split a pull's time."""
+
+    calls: int = 0
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("copy", "step_boundary", "put"), 0.0))
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
+
+
 async def export_chunks(engine: Any, token_ids: Sequence[int], namespace: CacheNamespace,  # noqa: ANN401
-                        first_block: int, max_bytes: int) -> list[ray.ObjectRef]:
+                        first_block: int, max_bytes: int,
+                        times: ExportTimes | None = None) -> list[ray.ObjectRef]:
     """The holder's side: the prompt's blocks from first_block on, at most max_bytes, as
     object refs of KVBlockPayload chunks, each put into the object store off the engine
     thread. Where the engine allows (kv_transfer.can_export_unlocked: CPU, no async
-    scheduling) a chunk is copied off the engine thread too, without waiting for its step
-    boundary, its blocks checked against the writes planned meanwhile; a chunk that ends
-    short there (a block being written) is finished between two steps. Elsewhere every
-    chunk is copied on the engine thread between two steps. Empty: it holds none of them."""
+    scheduling) the blocks are copied off the engine thread too, without waiting for a step
+    boundary, in one chunk, each block checked against the writes planned meanwhile; a copy
+    that ends short there (a block being written) is finished between two steps, a chunk of
+    at most CHUNK_BYTES at a time. Elsewhere every chunk is copied on the engine thread
+    between two steps. Empty: it holds none of them."""
+    times = times if times is not None else ExportTimes()
+    times.calls += 1
     unlocked = can_export_unlocked(engine.engine)
     refs: list[ray.ObjectRef] = []
     sent = 0
+    clock = time.perf_counter()
     while sent < max_bytes:
         budget = min(CHUNK_BYTES, max_bytes - sent)
         payload: KVBlockPayload | None = None
-        if unlocked:
-            payload = await asyncio.to_thread(export_blocks_unlocked, engine.engine,
-                                              token_ids, namespace, first_block, budget)
+        ref: ray.ObjectRef | None = None
+        if unlocked:  # the batch never waits for this copy: the whole rest in one chunk,
+            budget = max_bytes - sent  # copied and put in one trip to a thread
+            payload, ref = await asyncio.to_thread(_copy_unlocked_and_put, engine.engine,
+                                                   token_ids, namespace, first_block, budget,
+                                                   times)
+            clock = time.perf_counter()
         if payload is None or _ends_short(payload, budget):
+            # between two steps the batch waits: at most one chunk's copy beyond the head
+            budget = min(budget, (payload.nbytes if payload is not None else 0) + CHUNK_BYTES)
             payload = await _export_at_step_boundary(engine, token_ids, namespace,
                                                      first_block, budget, payload)
+            clock = times.add("step_boundary", clock)
         if payload is None or payload.num_blocks == 0:
             break
-        refs.append(await asyncio.to_thread(ray.put, payload))
+        if ref is None:
+            ref = await asyncio.to_thread(ray.put, payload)
+            clock = times.add("put", clock)
+        refs.append(ref)
         sent += payload.nbytes
         first_block += payload.num_blocks
         if _ends_short(payload, budget):
             break  # the chain ended here: asking again would only wait for another step
     return refs
+
+
+def _copy_unlocked_and_put(engine: Any, token_ids: Sequence[int],  # noqa: ANN401
+                           namespace: CacheNamespace, first_block: int, budget: int,
+                           times: ExportTimes) -> tuple[KVBlockPayload, ray.ObjectRef | None]:
+    """export_blocks_unlocked's chunk, and its ref once put when it is whole (a chunk that
+    ends short is finished between two steps first)."""
+    clock = time.perf_counter()
+    payload = export_blocks_unlocked(engine, token_ids, namespace, first_block, budget)
+    clock = times.add("copy", clock)
+    if payload.num_blocks == 0 or _ends_short(payload, budget):
+        return payload, None
+    ref = ray.put(payload)
+    times.add("put", clock)
+    return payload, ref
 
 
 def _ends_short(payload: KVBlockPayload, budget: int) -> bool:
@@ -155,10 +202,11 @@ class KVPuller:
     outcomes: dict[str, int] = field(default_factory=dict)  # pulls by outcome, for info()
     bytes_received: int = 0
     tokens_received: int = 0
-    # Seconds spent per phase of the pulls: the holder's export call (until its refs), reading
-    # the chunks out of the object store, importing them on this engine's thread.
+    # Seconds spent per phase of the pulls: hashing the prompt and counting the blocks held
+    # here, the holder's export call (until its refs), reading the chunks out of the object
+    # store, importing them on this engine's thread.
     phase_seconds: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("export", "fetch", "import"), 0.0))
+        default_factory=lambda: dict.fromkeys(("lookup", "export", "fetch", "import"), 0.0))
     _prefill_rate: float | None = None
 
     async def pull(self, token_ids: Sequence[int], namespace: CacheNamespace,
@@ -170,11 +218,13 @@ class KVPuller:
         layout = layout_key(self.engine.engine)
         if layout is None or self.engine.engine.block_manager.host is None:
             return None
+        clock = time.perf_counter()
         chain = prompt_chain(token_ids, namespace, layout.block_size)
         try:
             held = await self.engine.call(lambda e: num_held_blocks(e, chain))
         except EngineError:  # a dead engine: the request itself reports it, no pull
             return None
+        self._phase("lookup", clock)
         missing = min(len(chain), hint.cached_tokens // layout.block_size) - held
         if missing <= 0:
             return None

@@ -28,7 +28,13 @@ from iterserve.autoscale.router import ROUTE_TO_KWARG
 from iterserve.autoscale.signals import ReplicaLoad
 from iterserve.deploy.engine_info import describe_engine, lora_adapter_action, stream_engine
 from iterserve.deploy.errors import EngineErrorInfo
-from iterserve.deploy.kv_pull import KVPullConfig, KVPuller, PullHint, export_chunks
+from iterserve.deploy.kv_pull import (
+    ExportTimes,
+    KVPullConfig,
+    KVPuller,
+    PullHint,
+    export_chunks,
+)
 from iterserve.deploy.lora_registry import RayAdapterRegistry, registry_actor_name
 from iterserve.replica.block_keys import CacheNamespace, with_adapter
 from iterserve.replica.config import EngineConfig
@@ -150,6 +156,7 @@ class LLMReplica:
         self._adapters: RayAdapterRegistry | None = None  # the app's registry, at first use
         self._puller = KVPuller(self.engine, kv_pull or KVPullConfig(), self._replica_id,
                                 self._export_from, self._record_pull)
+        self._exported = ExportTimes()  # the pulls peers made from this replica
         logger.info("LLMReplica %s serving %s", self._replica_id, self.engine.model_name)
 
     @staticmethod
@@ -198,7 +205,7 @@ class LLMReplica:
         if route_to_replica not in (None, self._replica_id):
             return []  # reached another replica than named: its blocks are not the hint's
         return await export_chunks(self.engine, prefix_token_ids, cache_namespace,
-                                   first_block, max_bytes)
+                                   first_block, max_bytes, self._exported)
 
     async def _export_from(self, holder: str, token_ids: list[int],
                            namespace: CacheNamespace, first_block: int,
@@ -246,7 +253,9 @@ class LLMReplica:
                  "kv_pulls": dict(self._puller.outcomes),
                  "kv_pulled": {"bytes": self._puller.bytes_received,
                                "tokens": self._puller.tokens_received,
-                               "seconds": dict(self._puller.phase_seconds)}}
+                               "seconds": dict(self._puller.phase_seconds)},
+                 "kv_exported": {"calls": self._exported.calls,
+                                 "seconds": dict(self._exported.seconds)}}
         return describe_engine(self.engine, extra)
 
     async def device_idle(self) -> dict[str, dict[str, float]] | None:

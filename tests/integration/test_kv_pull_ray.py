@@ -83,6 +83,8 @@ def test_a_replica_pulls_a_peers_prefix_and_computes_when_the_peer_dies(
         assert pulled == computed
         assert cached == 20 * BLOCK  # every full block but the last token's came from A
         assert _pulls(handle, receiver) == {"pulled": 1}
+        exported = handle.info.remote(route_to_replica=holder).result()["kv_exported"]
+        assert exported["calls"] == 1 and exported["seconds"]["copy"] > 0  # its side, timed
 
         second = _prompt(2)
         expected, _ = _read(_send(handle, second, holder))

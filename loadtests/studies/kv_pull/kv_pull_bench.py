@@ -163,15 +163,18 @@ def main() -> None:
     finally:
         stop.set()
     info = handle.info.remote(route_to_replica=receiver).result()
+    exported = handle.info.remote(route_to_replica=holder).result()["kv_exported"]
     pulled = info["kv_pulled"]
     bytes_per_token = pulled["bytes"] // max(1, pulled["tokens"])
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "app_args": app_args,
               "seconds": time.time() - started, "load_average_end": os.getloadavg(),
               "model": info["model_path"], "kv_pulled": pulled,
+              "holder_kv_exported": exported,
               "summary": summary(results, info, bytes_per_token), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps(report["summary"], indent=1, default=str))
+    print(json.dumps({key: report[key] for key in ("summary", "kv_pulled", "holder_kv_exported")},
+                     indent=1, default=str))
     for thread in busy:
         thread.join(timeout=30)
     serve.shutdown()
