@@ -13,7 +13,9 @@ own (the same model config and weight files, dtype, block size, heads, head dim,
 the namespace must be the request's, and each block's stable hash must be the one the
 receiver computes from its own copy of the prompt's tokens; the first block that differs ends
 the import. Accepted blocks go into the receiver's host KV tier under its own chain keys
-(`BlockManager.receive_block`), and the EXISTING onboarding path brings them to the device:
+(`BlockManager.receive_block`; the payload's rows stay views until the next step writes
+them all into their slots at once, `HostKVTier.write_slots`), and the EXISTING onboarding
+path brings them to the device:
 the prompt's lookup continues its chain in the host tier and the step copies the blocks back
 before its forward, counting them as cached tokens. An import therefore needs a host tier.
 
