@@ -118,6 +118,16 @@ class RouterConfig(BaseModel):
         "so a hot adapter spreads (autoscale/lora_affinity.py; the tournament's LoRA cell "
         "at 8 replicas, seed 0: p99 TTFT 0.243 s at 8, 0.245 s at 16).",
     )
+    lora_traffic_half_life_s: float = Field(
+        5.0, gt=0.0,
+        description="Half-life of the router's count of the requests it routed per LoRA "
+        "adapter; an adapter whose share of them needs more replicas than hold it (its rate "
+        "per holder above a replica's share of the cluster's) spreads to one more "
+        "(autoscale/lora_traffic.py). 5 s: the routed-work meter's, so the router's two "
+        "memories of its own sends forget alike; a popularity shift is followed within "
+        "seconds, and at the tournament's 32-replica rate each of its two routers holds a "
+        "decayed count of ~60 requests for an adapter with one replica's share.",
+    )
     drain_inflight_prefill: bool = Field(
         True,
         description="Count the prefill queued at a replica as the prompt tokens it reported "

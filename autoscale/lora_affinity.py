@@ -7,10 +7,14 @@ left (the engine's admission rule): under a steady mix that wait has no bound. S
 Gateway API inference extension's lora-affinity scorer does, the router prefers a replica
 running the adapter, then one holding it (`ReplicaLoad.lora_adapters`) with a slot free for
 it, then any with a slot free (which reads it), under a load guard: only replicas waiting
-at most `lora_affinity_slack` requests more than the least waiting one. Beyond, load wins and
-a replica near the floor reads the adapter, so an adapter whose traffic outgrows its holders
-spreads instead of queueing on the replicas that held it first (the pinning Ray Serve's
-multiplexing shows, ray#65691).
+at most `lora_affinity_slack` requests more than the least waiting one. An adapter whose
+share of the router's recent requests needs more replicas than hold it (lora_traffic.py:
+its rate per holder above a replica's share of the cluster's rate) spreads to a replica
+that does not hold it yet, before its holders' queues grow; one that does not keeps to its
+holders. Beyond the slack, load wins and a replica near the floor reads the adapter anyway:
+the guard for a share the estimate has not caught up with (an adapter turning hot), so an
+adapter never queues without bound on the replicas that held it first (the pinning Ray
+Serve's multiplexing shows, ray#65691).
 
 The guard is measured from the least waiting replica, not from the score's leader: the
 score's routed-work balance assumes replicas of equal speed, and a replica slowed by adapter
@@ -26,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from iterserve.autoscale.config import RouterConfig
+from iterserve.autoscale.lora_traffic import needs_another_holder
 from iterserve.autoscale.router_inflight import Correction
 from iterserve.autoscale.router_policy import effective_load
 from iterserve.autoscale.signals import ReplicaLoad
@@ -45,23 +50,27 @@ def request_adapter(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | Non
 
 
 def prefer_adapter_holders(ranked: Sequence[R], loads: Mapping[R, ReplicaLoad | None],
-                           waiting: Mapping[R, int], adapter: str | None, slack: float
-                           ) -> list[R]:
+                           waiting: Mapping[R, int], adapter: str | None, slack: float,
+                           traffic_share: float) -> list[R]:
     """`ranked` (best first) with the replica for `adapter`'s request moved to the front.
 
     waiting: each replica's waiting requests as the router counts them (its last stats plus
-    the requests sent since). Only replicas not draining that wait at most `slack` more
-    than the least waiting one are taken; among them, the least waiting (ties: the ranking)
+    the requests sent since). traffic_share: the adapter's share of the router's recent
+    requests (lora_traffic.AdapterTraffic.share). Only replicas not draining that wait at most
+    `slack` more than the least waiting one are taken. If the adapter needs another holder
+    for its share (`needs_another_holder`, counting every live replica holding or running
+    it), the one holding the fewest adapters (ties: the ranking) among those with a slot free
+    that do not hold it. Else (or where there is none), the least waiting (ties: the ranking)
     of the first group that is not empty: those running the adapter, those holding it with
-    a slot free for it; else the one holding the fewest adapters (ties: the ranking) among
-    those with a slot free, or among all of them.
+    a slot free for it; else the one holding the fewest adapters among those with a slot
+    free, or among all of them.
 
-    Where no holder qualifies the adapter is read from disk, and the replica holding the
-    fewest adapters is where that costs least. The best ranked, taken before, received a
-    cold adapter wherever the score led at that moment, so every replica came to hold and
-    run a mixed set: cold adapters read on several replicas and device slots thrashing (the
-    tournament's LoRA cells: 5-35 % more loads than Ray's multiplexing, whose rule for a
-    model no replica holds is this one)."""
+    Where the adapter is read from disk, the replica holding the fewest adapters is where
+    that costs least. The best ranked, taken before, received a cold adapter wherever the
+    score led at that moment, so every replica came to hold and run a mixed set: cold
+    adapters read on several replicas and device slots thrashing (the tournament's LoRA
+    cells: 5-35 % more loads than Ray's multiplexing, whose rule for a model no replica
+    holds is this one)."""
     order = list(ranked)
     if adapter is None or not order:
         return order
@@ -69,9 +78,15 @@ def prefer_adapter_holders(ranked: Sequence[R], loads: Mapping[R, ReplicaLoad | 
     floor = min(waiting.get(r, 0) for r in live)
     near = [r for r in live if waiting.get(r, 0) <= floor + slack]
     with_slot = [r for r in near if _has_slot_for(loads.get(r), adapter)]
+    holder_count = sum(1 for r in live if _holds_or_runs(loads.get(r), adapter))
+    spreading = needs_another_holder(traffic_share, holder_count, len(live))
+    newcomers = [r for r in with_slot if spreading
+                 and not _holds_or_runs(loads.get(r), adapter)]
     running = [r for r in with_slot if _runs(loads.get(r), adapter)]
     holders = [r for r in with_slot if _holds(loads.get(r), adapter)]
-    if running or holders:
+    if newcomers:
+        first = min(newcomers, key=lambda r: _held_count(loads.get(r)))
+    elif running or holders:
         first = min(running or holders, key=lambda r: waiting.get(r, 0))
     else:
         first = min(with_slot or near, key=lambda r: _held_count(loads.get(r)))
@@ -92,6 +107,10 @@ def _held_count(load: ReplicaLoad | None) -> int:
 
 def _runs(load: ReplicaLoad | None, adapter: str) -> bool:
     return load is not None and adapter in load.lora_running
+
+
+def _holds_or_runs(load: ReplicaLoad | None, adapter: str) -> bool:
+    return _holds(load, adapter) or _runs(load, adapter)
 
 
 def _holds(load: ReplicaLoad | None, adapter: str) -> bool:

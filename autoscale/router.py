@@ -67,6 +67,7 @@ from iterserve.autoscale.lora_affinity import (
     waiting_counts,
 )
 from iterserve.autoscale.lora_in_flight import AdaptersInFlight, with_adapters_in_flight
+from iterserve.autoscale.lora_traffic import AdapterTraffic
 from iterserve.autoscale.pull_pricing import pullable_tokens, with_pull_credit
 from iterserve.autoscale.replica_cache_reports import (
     ParsedLoads,
@@ -175,6 +176,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         # The adapters of this router's requests in flight per replica: held and running
         # there before the replica's stats can say so (lora_in_flight.py).
         self._adapters_in_flight: AdaptersInFlight[ReplicaID] = AdaptersInFlight()
+        # Each adapter's share of the requests routed lately: when it needs another holder
+        # (lora_traffic.py).
+        self._adapter_traffic = AdapterTraffic(self.config.lora_traffic_half_life_s)
         self._sync: RouterSync | None = None
         if self.config.router_sync_period_s is not None:
             deployment = self._deployment_id
@@ -266,7 +270,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             held = {rid: with_adapters_in_flight(load, self._adapters_in_flight.adapters(rid))
                     for rid, load in zip(replica_ids, loads, strict=True)}
             ranked = prefer_adapter_holders(ranked, held, waiting, adapter,
-                                            self.config.lora_affinity_slack)
+                                            self.config.lora_affinity_slack,
+                                            self._adapter_traffic.share(adapter, now,
+                                                                        len(replica_ids)))
         if pending_request is not None and cached is not None:
             self._remember_hits(pending_request.metadata.internal_request_id, cached)
             if pullable is not None:
@@ -318,8 +324,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         hit = self._hits.pop(request_id, {}).get(replica_id, 0)
         now, prefill = time.time(), max(0, len(token_ids or ()) - hit)
         self._core.routed(request_id, replica_id, now, key, num_tokens, prefill_tokens=prefill)
-        self._adapters_in_flight.routed(
-            request_id, replica_id, request_adapter(pending_request.args, pending_request.kwargs))
+        adapter = request_adapter(pending_request.args, pending_request.kwargs)
+        self._adapters_in_flight.routed(request_id, replica_id, adapter)
+        self._adapter_traffic.record(adapter, now)
         if self._sync is not None:
             self._sync.sent(request_id, replica_id.unique_id, now, num_tokens, prefill)
         self._metrics.record_decision(replica_id.unique_id)

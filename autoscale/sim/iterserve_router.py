@@ -21,7 +21,8 @@ the same decision and the same random draws (tests/unit/test_router_offer.py).
 
 A request naming a LoRA adapter (`RouteRequest.adapter`) is ranked in full (`rank`) and the
 ranking goes through `prefer_adapter_holders` (with each replica's waiting requests as the
-score counts them), as the Ray adapter's `choose_replicas` does;
+score counts them, and the adapter's share of the requests this router routed lately,
+`AdapterTraffic`), as the Ray adapter's `choose_replicas` does;
 lora_affinity=False leaves the adapter out (the score alone decides).
 """
 
@@ -36,6 +37,7 @@ from iterserve.autoscale.kv_pull_cost import credit_pulls
 from iterserve.autoscale.kv_tier_costs import charged_hit, tier_fractions
 from iterserve.autoscale.lora_affinity import prefer_adapter_holders, waiting_counts
 from iterserve.autoscale.lora_in_flight import AdaptersInFlight, with_adapters_in_flight
+from iterserve.autoscale.lora_traffic import AdapterTraffic
 from iterserve.autoscale.router_state import KVRouterCore
 from iterserve.autoscale.router_table import OfferedRows
 from iterserve.autoscale.shuffle import shuffle
@@ -74,6 +76,7 @@ class IterserveRouter:
         self.lora_affinity = lora_affinity
         self.kv_pulls = kv_pulls
         self.adapters_in_flight: AdaptersInFlight[Hashable] = AdaptersInFlight()
+        self.adapter_traffic = AdapterTraffic(self.config.lora_traffic_half_life_s)
         self._pending: tuple[str, int | None, int] | None = None
         self._cached: Mapping[Hashable, int] | None = None
         self._offer_token: object = None  # the caller's token of the offer below
@@ -128,7 +131,8 @@ class IterserveRouter:
         held = {rid: with_adapters_in_flight(load, self.adapters_in_flight.adapters(rid))
                 for rid, load in zip(ids, loads, strict=True)}
         return prefer_adapter_holders(ranked, held, waiting, adapter,
-                                      self.config.lora_affinity_slack)[0]
+                                      self.config.lora_affinity_slack,
+                                      self.adapter_traffic.share(adapter, ctx.now, len(ids)))[0]
 
     def _choose_offered(self, ctx: RoutingContext, rng: random.Random) -> Hashable:
         """choose() where the caller says what changed since the previous request
@@ -201,6 +205,7 @@ class IterserveRouter:
                          prefill_tokens=max(0, len(request.prompt_token_ids) - hit))
         if self.lora_affinity:
             self.adapters_in_flight.routed(request.request_id, replica_id, request.adapter)
+            self.adapter_traffic.record(request.adapter, now)
 
     def on_peer_routed(self, request: RouteRequest, replica_id: Hashable, sent_at: float,
                        prefill_tokens: int, now: float) -> None:

@@ -30,9 +30,9 @@ def load(waiting: int = 0, adapters: tuple[str, ...] = (), draining: bool = Fals
 
 
 def prefer(ranked: list[str], loads: dict[str, ReplicaLoad], adapter: str | None,
-           slack: float) -> list[str]:
+           slack: float, share: float = 0.0) -> list[str]:
     waiting = {rid: load.num_waiting for rid, load in loads.items()}
-    return prefer_adapter_holders(ranked, loads, waiting, adapter, slack)
+    return prefer_adapter_holders(ranked, loads, waiting, adapter, slack, share)
 
 
 def test_the_adapters_held_and_running_travel_in_the_routing_stats() -> None:
@@ -169,3 +169,56 @@ def test_the_router_counts_its_requests_in_flight_as_holding_their_adapter() -> 
     assert first.replica_id.unique_id not in _first(router, replicas, other)
     router.on_request_completed(first.replica_id, "p0")
     assert len(_first(router, replicas, args, n=40)) > 1  # nothing in flight: the shuffle
+
+
+def test_a_hot_adapter_spreads_to_a_new_replica_before_its_holder_queues() -> None:
+    """Half the requests over 4 replicas: 2 replicas' worth on one holder. Its next request
+    goes to the replica holding the fewest adapters that does not hold it, though the holder
+    is idle and within the slack; a cold adapter (a tenth of a replica's share) stays."""
+    loads = {"holder": load(0, ("hot",)), "busy": load(1, ("a", "b")), "light": load(1, ("c",))}
+    ranked = ["holder", "busy", "light"]
+    assert prefer(ranked, loads, "hot", 8.0, share=0.5)[0] == "light"
+    assert prefer(ranked, loads, "hot", 8.0, share=0.1 / 3)[0] == "holder"
+    loads["light"] = load(1, ("c", "hot"))  # two holders for 1.5 replicas' worth: enough
+    assert prefer(ranked, loads, "hot", 8.0, share=0.5)[0] == "holder"
+
+
+def test_a_hot_adapters_spread_stays_within_the_slack_and_the_slots() -> None:
+    loads = {"holder": load(0, ("hot",)), "far": load(20),
+             "full": load(0, running=("x", "y"), max_loras=2)}
+    assert prefer(["far", "full", "holder"], loads, "hot", 8.0, share=0.9)[0] == "holder"
+
+
+def test_a_replica_without_stats_holds_the_adapters_of_requests_in_flight_there() -> None:
+    """Until a replica's first report, the router's own request for an adapter there makes
+    it the adapter's holder: the next request for it must not read it on another replica."""
+    from iterserve.autoscale.lora_in_flight import with_adapters_in_flight
+
+    held = {"sent": with_adapters_in_flight(None, frozenset({"sql"})),
+            "other": with_adapters_in_flight(None, frozenset())}
+    assert held["other"] is None and held["sent"] is not None
+    assert held["sent"].has_slot_for("chat")  # its slots are not reported: room for any
+    assert prefer_adapter_holders(["other", "sent"], held, {}, "sql", 8.0, 0.0)[0] == "sent"
+
+
+def test_the_router_spreads_an_adapter_as_its_share_of_its_requests_grows() -> None:
+    """The real KVAwareRouter: 8 requests for one adapter in a row (all in flight, no
+    replica reporting it) go to 3 of the 4 replicas (8/12 of the requests counted with one
+    per replica: 2.7 replicas' worth); requests for a cold one among base-model traffic
+    stay on one replica. Without the share rule, all 8 stay on the first (within the slack)."""
+    router = _router()
+    replicas = [_FakeReplica(name, load(0).to_dict()) for name in ("r1", "r2", "r3", "r4")]
+
+    def route(args: list, rid: str) -> str:
+        chosen = asyncio.run(router.choose_replicas(replicas, _pending(args, rid)))[0][0]
+        router.on_request_routed(_pending(args, rid), chosen.replica_id, None)
+        return chosen.replica_id.unique_id
+
+    hot = [PROMPT, None, "r", 0, LoRARequest("hot", "/adapters/hot")]
+    assert len({route(hot, f"h{i}") for i in range(8)}) == 3
+    for i in range(8):
+        router.on_request_completed(next(r.replica_id for r in replicas), f"h{i}")
+    for i in range(40):
+        route([PROMPT], f"b{i}")
+    cold = [PROMPT, None, "r", 0, LoRARequest("cold", "/adapters/cold")]
+    assert len({route(cold, f"c{i}") for i in range(5)}) == 1

@@ -43,4 +43,6 @@ def test_the_load_gains_the_adapters_in_flight_as_held_and_running() -> None:
     assert seen.lora_adapters == {"a", "b", "sql"} and seen.lora_running == {"a", "sql"}
     assert not seen.has_slot_for("chat")  # sql's request takes the second slot
     assert with_adapters_in_flight(load, frozenset()) is load
-    assert with_adapters_in_flight(None, frozenset({"sql"})) is None
+    assert with_adapters_in_flight(None, frozenset()) is None
+    no_stats = with_adapters_in_flight(None, frozenset({"sql"}))  # holds what is in flight
+    assert no_stats is not None and no_stats.lora_adapters == no_stats.lora_running == {"sql"}

@@ -178,3 +178,25 @@ def test_a_replica_reports_the_adapters_running_and_its_slots_for_the_router() -
     assert load.has_slot_for("a") and not load.has_slot_for("c")
     off = SimulatedReplica("r1", ClusterSimConfig(), 0.0).load(0.0)
     assert off.max_loras == 0 and off.has_slot_for("c")
+
+
+def test_the_simulated_router_spreads_an_adapter_as_its_share_grows() -> None:
+    """The live router's rule (lora_traffic.py) in the simulator's router: 8 requests in a
+    row for one adapter, all in flight, reach 3 of 4 replicas; after 40 base-model requests,
+    5 for a cold adapter stay on one."""
+    router = IterserveRouter()
+    views = [view(f"r{i}") for i in range(4)]
+    prompt = SyntheticPrompt((), unique_start(7), 64, True)
+
+    def route(i: int, adapter: str | None) -> object:
+        request = RouteRequest(f"q{i}", prompt, 16, 0.0, adapter=adapter)
+        chosen = router.choose(RoutingContext(request, views, 0.0, 16), random.Random(i))
+        router.on_routed(request, chosen, 0.0)
+        return chosen
+
+    assert len({route(i, "hot") for i in range(8)}) == 3
+    for i in range(8):
+        router.on_completed(f"q{i}", "r0", 0.0)
+    for i in range(8, 48):
+        route(i, None)
+    assert len({route(i, "cold") for i in range(48, 53)}) == 1

@@ -4,6 +4,9 @@ multiplexing and random, on replicas that hold adapters and pay to load them.
     python -m iterserve.loadtests.studies.router_tournament.lora_adapters [--jobs 2] \
         [--sizes 8 32] [--loads 0.8] [--seeds 0 1] [--variants steady reversed]
 
+The outputs are rewritten after every cell (a stopped run keeps what it finished), with the
+cells of the first router named run first.
+
 Workload: the tournament's "steady" shape at a fraction of its probed capacity (stored in
 results/tournament.json, base model: adapters make a replica slower, so a load here is of
 the base model's capacity), every request naming one of --num-adapters adapters of Zipf
@@ -217,13 +220,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_cpu_loras": args.max_cpu_loras}
     cells = lora_cells(args.sizes, args.loads, args.seeds, args.variants, args.routers,
                        capacity, adapters)
+    cells.sort(key=lambda c: args.routers.index(c["router"]))  # the first named run first
+    results: list[dict[str, Any]] = []
     with multiprocessing.Pool(args.jobs) as pool:
-        results = pool.map(run_lora_cell, cells)
-    (args.out / f"{args.stem}.json").write_text(json.dumps(results, indent=1))
-    text = table(results)
-    (args.out / f"{args.stem}.md").write_text(text)
-    print(text)
+        # Stored after every cell: a run stopped part way keeps the cells it finished.
+        for result in pool.imap_unordered(run_lora_cell, cells):
+            results.append(result)
+            _store(results, args.out, args.stem)
+            print(f"{len(results)}/{len(cells)} cells: {result['variant']} "
+                  f"{result['replicas']} {result['load']} seed {result['seed']} "
+                  f"{result['router']}", flush=True)
+    print(table(results))
     return 0
+
+
+def _store(results: list[dict[str, Any]], out: Path, stem: str) -> None:
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(table(results))
 
 
 if __name__ == "__main__":
