@@ -34,7 +34,7 @@ Workloads (sim/tenant_workloads.py; rates in units of the steady shape's probed 
     solo          one tenant alone at 1.5x capacity (work conservation)
 
 Writes results/tenant_fairness.json (every cell with its per-tenant figures) and .md (the
-report: tenant_fairness_report.py).
+report: tenant_fairness_report.py), or --stem's names instead.
 """
 
 from __future__ import annotations
