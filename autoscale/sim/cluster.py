@@ -65,7 +65,8 @@ from iterserve.autoscale.sim.cluster_controller import (
 )
 from iterserve.autoscale.sim.cluster_pulls import KVPullEvents
 from iterserve.autoscale.sim.config import ClusterSimConfig
-from iterserve.autoscale.sim.gateway_flow_control import FlowControlGate, pool_is_saturated
+from iterserve.autoscale.sim.gateway_flow_control import FlowControlGate
+from iterserve.autoscale.sim.ingress_gate import IngressGate
 from iterserve.autoscale.sim.itl import ItlCounter
 from iterserve.autoscale.sim.kv_pull import KVPulls
 from iterserve.autoscale.sim.kv_tiers import tier_tokens
@@ -116,10 +117,13 @@ class ClusterSim(ServeController, KVPullEvents):
         if tenancy is not None and tenancy.slo_admission and config.kv_pulls is not None:
             raise ValueError("SLO admission with KV pulls is not modelled")
         self.config = config
-        # llm-d-style flow control: requests held in front of the routers while the pool
-        # is saturated (sim/gateway_flow_control.py)
-        self.gate = FlowControlGate(tenancy, tenancy.gateway) \
-            if tenancy is not None and tenancy.gateway is not None else None
+        # requests held in front of the routers while the pool is saturated: llm-d-style
+        # flow control (sim/gateway_flow_control.py) or the ingress queue (sim/ingress_gate.py)
+        self.gate: FlowControlGate | IngressGate | None = None
+        if tenancy is not None and tenancy.gateway is not None:
+            self.gate = FlowControlGate(tenancy, tenancy.gateway)
+        elif tenancy is not None and tenancy.ingress is not None:
+            self.gate = IngressGate(tenancy, tenancy.ingress)
         self.rng = random.Random(config.seed)
         self.routers = [RouterState(i, p, random.Random(f"{config.seed}/router/{i}"))
                         for i, p in enumerate(routers)]
@@ -203,6 +207,8 @@ class ClusterSim(ServeController, KVPullEvents):
                 self.gate.hold(router_index, spec)
                 return
             self.gate.dispatched(spec)
+            if self.gate.watches_steps:
+                self._free = None
         self._route(router_index, spec)
 
     def _route(self, router_index: int, spec: WorkloadRequest) -> None:
@@ -211,13 +217,13 @@ class ClusterSim(ServeController, KVPullEvents):
             router.queue.append(spec)
 
     def _pool_saturated(self) -> bool:
-        return pool_is_saturated(
-            ((s.replica.scheduler.num_waiting, s.replica.block_manager.usage)
-             for s in self.slots if s.state == RUNNING), self.gate.saturation)
+        return not self.gate.pool_has_room(self.slots)
 
     def _release_gate(self) -> None:
         """Held requests go, in the gate's order, while the pool has room."""
         while len(self.gate) and not self._pool_saturated():
+            if self.gate.watches_steps:
+                self._free = None  # each send changes which replicas it offers
             self._route(*self.gate.release())
 
     def _on_wake(self, slot: ReplicaSlot) -> None:
@@ -226,6 +232,8 @@ class ClusterSim(ServeController, KVPullEvents):
         slot.wake_at = None
         self._touch(slot)
         self._schedule_wake(slot)
+        if self.gate is not None and self.gate.watches_steps and len(self.gate):
+            self._release_gate()  # the step's prefill made room
 
     def _on_poll(self, slot: ReplicaSlot) -> None:
         if slot.state not in (RUNNING, DRAINING):
@@ -275,8 +283,9 @@ class ClusterSim(ServeController, KVPullEvents):
         limit = self.config.max_ongoing_requests
         free = self._free
         if free is None:  # recomputed only after a slot's state or room changed
+            gate = self.gate
             free = self._free = [s for s in self.slots if s.state == RUNNING
-                                 and s.ongoing < limit]
+                                 and s.ongoing < limit and (gate is None or gate.offers(s))]
             self._free_ids = [s.replica_id for s in free]
             self._free_position = {rid: i for i, rid in enumerate(self._free_ids)}
         if not free:

@@ -1,8 +1,9 @@
 """The Serve controller's side of the simulated cluster (`cluster.ClusterSim`'s autoscaling).
 
 Every autoscale_interval_s the policy sees each running replica's mean (kv_usage,
-num_waiting, num_running) over look_back_period_s and the requests queued at the routers,
-and names a replica count; new replicas serve startup_delay_s later, removed ones drain. A
+num_waiting, num_running) over look_back_period_s and the requests queued at the routers
+and held at the gateway or ingress queue (queued demand, as Serve counts the requests its
+handles queue), and names a replica count; new replicas serve startup_delay_s later, removed ones drain. A
 mixin of `ClusterSim`: it reads the cluster's slots and routers and starts and stops
 replicas through it, one seam (the controller's loop) apart from the data path.
 """
@@ -35,7 +36,7 @@ class ServeController:
                     num_running=sum(s[3] for s in slot.samples) / n)
         ctx = ScalingContext(now=self.now, current_replicas=self._count(RUNNING),
                              target_replicas=self.target, signals=signals,
-                             queued_at_handles=float(sum(len(r.queue) for r in self.routers)))
+                             queued_at_handles=float(self._queued_demand()))
         desired = self.autoscaler.desired_replicas(ctx)
         if desired < 1 and ctx.queued_at_handles > 0 and not any(
                 s.state in (RUNNING, STARTING) for s in self.slots):
@@ -51,6 +52,11 @@ class ServeController:
             self._scale_down(self.target - desired)
         self.target = desired
         self._push(self.now + self.config.autoscale_interval_s, TICK, None)
+
+    def _queued_demand(self: ClusterSim) -> int:
+        """Requests waiting for a replica: at the routers, and held in front of them."""
+        held = len(self.gate) if self.gate is not None else 0
+        return held + sum(len(r.queue) for r in self.routers)
 
     def _scale_down(self: ClusterSim, count: int) -> None:
         """Cancel starting replicas first (newest first), then drain the least busy."""

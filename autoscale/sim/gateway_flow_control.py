@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from iterserve.autoscale.sim.state import RUNNING, ReplicaSlot
 from iterserve.autoscale.sim.tenancy import GatewaySaturation, SimTenancy
 from iterserve.autoscale.sim.workload import WorkloadRequest
 from iterserve.replica.fair_queue import FairWaitingQueue
@@ -57,6 +58,17 @@ class FlowControlGate:
 
     def __len__(self) -> int:
         return len(self.queue)
+
+    watches_steps = False  # released at stats polls and completions (module docstring)
+
+    def offers(self, slot: ReplicaSlot) -> bool:
+        """Every replica under max_ongoing_requests is offered to the router."""
+        return True
+
+    def pool_has_room(self, slots: Iterable[ReplicaSlot]) -> bool:
+        return not pool_is_saturated(
+            ((s.replica.scheduler.num_waiting, s.replica.block_manager.usage)
+             for s in slots if s.state == RUNNING), self.saturation)
 
     def hold(self, router_index: int, spec: WorkloadRequest) -> None:
         tenant = self.tenancy.tenant(spec.tenant)

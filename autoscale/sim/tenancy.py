@@ -11,6 +11,9 @@ file gives them: deploy/tenants.py) and how the cluster shares capacity between 
     gateway           llm-d-style flow control in front of the routers
                       (sim/gateway_flow_control.py): requests held while the pool is
                       saturated, released by band, then fairness between flows, then FCFS
+    ingress           the ingress admission queue (sim/ingress_gate.py): requests held
+                      while no replica has a free place in its batch, released by band,
+                      then cluster-wide VTC counters, then arrival
 
 A request of a tenant the tenancy does not list (or of none) is served as the default
 tenant: weight 1, band 0, no objective, as the ingress serves a key with no tenant line.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from iterserve.autoscale.ingress_saturation import IngressSaturation
 from iterserve.replica.request import TenantShare
 from iterserve.replica.scheduling_policy import POLICIES
 
@@ -74,6 +78,7 @@ class SimTenancy:
     slo_admission: bool = False
     slo_headroom: float = 0.8  # the engine's SchedulerConfig.slo_admission_headroom
     gateway: GatewaySaturation | None = None
+    ingress: IngressSaturation | None = None
 
     def __post_init__(self) -> None:
         if self.engine_policy not in ("fcfs", "priority", "fair"):
@@ -85,6 +90,8 @@ class SimTenancy:
             raise ValueError("tenant names must be unique")
         if not 0 < self.slo_headroom <= 1:
             raise ValueError("slo_headroom must be in (0, 1]")
+        if self.gateway is not None and self.ingress is not None:
+            raise ValueError("choose one queue in front of the routers: gateway or ingress")
 
     def tenant(self, name: str | None) -> SimTenant:
         """The named tenant, or the default one (weight 1, band 0, no objective)."""

@@ -1,5 +1,6 @@
 """Tenants in the cluster simulator: the engine's own policies order the simulated replicas'
-queues, SLO admission refuses at once, llm-d-style flow control holds at the gateway.
+queues, SLO admission refuses at once, llm-d-style flow control holds at the gateway, the
+ingress queue holds while no replica has room.
 
 Each test runs a small overloaded cluster (one or two replicas, seconds of virtual time)
 and checks a property that disappears when the sharing is taken away (the fcfs run beside
@@ -12,6 +13,8 @@ import dataclasses
 
 import pytest
 
+from iterserve.autoscale.autoscaling_policy import ScalingContext
+from iterserve.autoscale.ingress_saturation import IngressSaturation
 from iterserve.autoscale.percentile import percentile
 from iterserve.autoscale.sim.cluster import simulate
 from iterserve.autoscale.sim.config import ClusterSimConfig
@@ -149,3 +152,52 @@ def test_tenancy_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="weight"):
         SimTenant("a", weight=0.0)
     assert SimTenancy(TWO).tenant("nobody").weight == 1.0
+
+
+def ingress_run(requests: list[WorkloadRequest], tenants: tuple[SimTenant, ...],
+                replicas: int = 1) -> SimResult:
+    """The ingress queue's arm as the tournament cell runs it: fcfs engines, Serve's
+    max_ongoing_requests at the ingress's in-flight bound."""
+    saturation = IngressSaturation()
+    config = dataclasses.replace(ClusterSimConfig(seed=0), max_virtual_s=1e9,
+                                 tenancy=SimTenancy(tenants, "fcfs", ingress=saturation),
+                                 max_ongoing_requests=saturation.max_in_flight)
+    return simulate(requests, [IterserveRouter()], replicas, config)
+
+
+def test_the_ingress_queue_holds_the_heavy_tenants_excess_and_sends_the_light_one_first(
+        ) -> None:
+    requests = noisy()
+    fcfs = run(requests, SimTenancy(TWO, "fcfs"))
+    ingress = ingress_run(requests, TWO)
+    assert ingress.num_finished == len(requests)  # nothing lost
+    assert p99_of(ingress, requests, "b") < 0.1 * p99_of(fcfs, requests, "b")
+    assert p99_of(ingress, requests, "a") > 1.0  # a's excess is what waits, at the ingress
+    held_a = [r for r in ingress.records if r.request_id.startswith("a-")
+              and r.routed - r.arrival > 0.5]
+    assert held_a and all(r.first_token - r.routed < 0.5 for r in held_a)
+    # not overloaded (two replicas): held only through bursts of prompts, fcfs's tails
+    plain2 = run(requests, SimTenancy(TWO, "fcfs"), replicas=2)
+    ingress2 = ingress_run(requests, TWO, 2)
+    assert ingress2.num_finished == len(requests)
+    for tenant in ("a", "b"):
+        assert p99_of(ingress2, requests, tenant) < 1.1 * p99_of(plain2, requests, tenant)
+
+
+def test_held_requests_are_queued_demand_for_the_autoscaler() -> None:
+    requests = noisy(4.0)
+    seen: list[float] = []
+
+    class Recorder:  # an autoscaling policy that records what it is shown
+        name = "recorder"
+
+        def desired_replicas(self, ctx: ScalingContext) -> int:
+            seen.append(ctx.queued_at_handles)
+            return 1  # hold the cluster at one replica: the queue stays
+
+    saturation = IngressSaturation()
+    config = dataclasses.replace(ClusterSimConfig(seed=0), max_virtual_s=1e9,
+                                 tenancy=SimTenancy(TWO, "fcfs", ingress=saturation),
+                                 max_ongoing_requests=saturation.max_in_flight)
+    simulate(requests, [IterserveRouter()], 1, config, autoscaler=Recorder())
+    assert max(seen) > 50  # the routers' own queues stay empty: these are held requests

@@ -16,6 +16,11 @@ Arms:
                   tenant's 2 s TTFT objective (replica/slo_admission.py)
     flow-control  llm-d-style: fcfs engines, requests held at the gateway while the pool
                   is saturated, released by band, VTC between flows, FCFS in a flow
+    ingress-fair  one admission queue at the ingress (autoscale/ingress_queue.py): fcfs
+                  engines, requests held while no replica has a free place in its batch
+                  (in flight < max_num_seqs, KV < 0.9: autoscale/ingress_saturation.py;
+                  Serve's max_ongoing_requests at the same bound), released by band, then
+                  cluster-wide VTC counters, then arrival
 
 Workloads (sim/tenant_workloads.py; rates in units of the steady shape's probed capacity,
 `STEADY_CAPACITY`, requests/s per replica; every tenant's TTFT objective 2 s):
@@ -29,7 +34,7 @@ Workloads (sim/tenant_workloads.py; rates in units of the steady shape's probed 
     solo          one tenant alone at 1.5x capacity (work conservation)
 
 Writes results/tenant_fairness.json (every cell with its per-tenant figures) and .md (the
-report: tenant_fairness_report.py).
+report: tenant_fairness_report.py), or --stem's names instead.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from iterserve.autoscale.ingress_saturation import IngressSaturation
 from iterserve.autoscale.sim.cluster import simulate
 from iterserve.autoscale.sim.iterserve_router import IterserveRouter
 from iterserve.autoscale.sim.tenancy import GatewaySaturation, SimTenancy, SimTenant
@@ -70,7 +76,7 @@ STEADY_CAPACITY = 20.33125
 OVERLOAD = 1.5  # the noisy run and the solo run: offered load over capacity
 BACKLOGGED_RATE = 1.0  # each backlogged tenant's rate, in capacities (three: 3x)
 TAIL_S = 10.0  # a backlogged run goes on this long past its arrivals (see run_fairness_cell)
-ARMS = ("fcfs", "priority", "fair", "fair+slo", "flow-control")
+ARMS = ("fcfs", "priority", "fair", "fair+slo", "flow-control", "ingress-fair")
 WORKLOADS = ("noisy", "noisy-base", "equal-weights", "weighted", "solo")
 UNEVEN_RATES = (0.5, 1.0, 2.0)  # equal-weights: each tenant's rate, in capacities
 
@@ -88,7 +94,8 @@ def cell_tenants(workload: str) -> tuple[SimTenant, ...]:
     return tuple(SimTenant(n, w, 0, TTFT_SLO_S) for n, w in zip(names, weights, strict=True))
 
 
-def arm_tenancy(arm: str, tenants: tuple[SimTenant, ...]) -> SimTenancy:
+def arm_tenancy(arm: str, tenants: tuple[SimTenant, ...], max_num_seqs: int = 256
+                ) -> SimTenancy:
     if arm == "fcfs":
         return SimTenancy(tenants, "fcfs")
     if arm == "priority":  # the light tenant ("b"), else the heaviest weight, goes first
@@ -102,6 +109,8 @@ def arm_tenancy(arm: str, tenants: tuple[SimTenant, ...]) -> SimTenancy:
         return SimTenancy(tenants, "fair", slo_admission=True)
     if arm == "flow-control":
         return SimTenancy(tenants, "fcfs", gateway=GatewaySaturation())
+    if arm == "ingress-fair":
+        return SimTenancy(tenants, "fcfs", ingress=IngressSaturation(max_num_seqs))
     raise ValueError(f"unknown arm {arm!r}; choose one of {', '.join(ARMS)}")
 
 
@@ -128,9 +137,13 @@ def run_fairness_cell(cell: dict[str, Any]) -> dict[str, Any]:
     lets the requests running at the window's end finish, so their tokens in it count);
     the noisy ones run until every request is answered."""
     requests = cell_requests(cell)
-    tenancy = arm_tenancy(cell["arm"], cell_tenants(cell["workload"]))
+    base = sim_config(None, cell["seed"])
+    tenancy = arm_tenancy(cell["arm"], cell_tenants(cell["workload"]), base.max_num_seqs)
     backlogged_run = cell["workload"] in ("equal-weights", "weighted", "solo")
-    config = dataclasses.replace(sim_config(None, cell["seed"]), tenancy=tenancy,
+    # the ingress arm: Serve offers the router only the replicas under the ingress's bound
+    in_flight = base.max_ongoing_requests if tenancy.ingress is None \
+        else tenancy.ingress.max_in_flight
+    config = dataclasses.replace(base, tenancy=tenancy, max_ongoing_requests=in_flight,
                                  max_virtual_s=cell["duration_s"] + TAIL_S if backlogged_run
                                  else 1e9)
     routers = [IterserveRouter() for _ in range(NUM_INGRESS_ROUTERS)]
@@ -148,7 +161,7 @@ def fairness_cells(sizes: Sequence[int], seeds: Sequence[int], duration_s: float
         for seed in seeds:
             for workload in workloads:
                 for arm in arms:
-                    if workload == "solo" and arm not in ("fcfs", "fair"):
+                    if workload == "solo" and arm not in ("fcfs", "fair", "ingress-fair"):
                         continue  # one tenant: the other arms have no one to share with
                     if workload == "equal-weights" and arm == "priority":
                         continue  # equal weights: one band, the fcfs arm's order
@@ -171,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
                         help="workloads to run")
     parser.add_argument("--out", type=Path, default=results_of("router_tournament"),
-                        help="folder of tenant_fairness.json and .md")
+                        help="folder of the results' .json and .md")
+    parser.add_argument("--stem", default="tenant_fairness",
+                        help="the results' file name without its suffix")
     parser.add_argument("--merge", nargs="*", type=Path, default=[],
                         help="simulate nothing: merge these runs' tenant_fairness.json "
                         "files into --out and write the report")
@@ -183,23 +198,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if cell["workload"] in WORKLOADS:  # not a workload since redefined
                     key = (cell["replicas"], cell["seed"], cell["workload"], cell["arm"])
                     merged[key] = cell
-        return write_results(list(merged.values()), args.out)
+        return write_results(list(merged.values()), args.out, args.stem)
     cells = fairness_cells(args.sizes, args.seeds, args.duration_s, args.arms, args.workloads)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with multiprocessing.Pool(args.jobs) as pool:  # written as cells end: a cut run keeps them
         for result in pool.imap_unordered(run_fairness_cell, cells):
             results.append(result)
-            (args.out / "tenant_fairness.json").write_text(json.dumps(results, indent=1))
-    return write_results(results, args.out)
+            (args.out / f"{args.stem}.json").write_text(json.dumps(results, indent=1))
+    return write_results(results, args.out, args.stem)
 
 
-def write_results(results: list[dict[str, Any]], out: Path) -> int:
+def write_results(results: list[dict[str, Any]], out: Path, stem: str) -> int:
     results = sorted(results, key=lambda r: (r["replicas"], r["seed"], r["workload"], r["arm"]))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tenant_fairness.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     text = report(results)
-    (out / "tenant_fairness.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from iterserve.autoscale.percentile import percentile
@@ -160,14 +160,46 @@ def backlogged_table(results: list[dict[str, Any]], workload: str) -> str:
 
 def solo_table(results: list[dict[str, Any]]) -> str:
     cells = _by(results, "solo")
-    lines = ["| replicas | fair / fcfs throughput in the window, per seed (floor >= 0.97) |",
-             "|---|---|"]
-    sizes = sorted({n for n, _, _ in cells})
-    for n in sizes:
-        ratios = [cells[(n, "fair", s)]["throughput_tok_s"] / cells[(n, "fcfs", s)]["throughput_tok_s"]
-                  for (m, arm, s) in sorted(cells) if m == n and arm == "fcfs"
-                  and (n, "fair", s) in cells]
-        lines.append(f"| {n} | " + ", ".join(f"{r:.4f}" for r in ratios) + " |")
+    lines = ["| replicas | arm | arm / fcfs throughput in the window, per seed "
+             "(floor >= 0.97) |", "|---|---|---|"]
+    for n, arm in sorted({(n, arm) for n, arm, _ in cells if arm != "fcfs"}):
+        ratios = [cells[(n, arm, s)]["throughput_tok_s"] / cells[(n, "fcfs", s)]["throughput_tok_s"]
+                  for (m, a, s) in sorted(cells) if m == n and a == "fcfs"
+                  and (n, arm, s) in cells]
+        lines.append(f"| {n} | {arm} | " + ", ".join(f"{r:.4f}" for r in ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _per_seed(values: dict[int, float], met: Callable[[float], bool], digits: int) -> str:
+    """Each seed's figure, marked met or missed; '-' where the cell was not run."""
+    if not values:
+        return "-"
+    return ", ".join(f"{values[s]:.{digits}f} {'met' if met(values[s]) else 'MISSED'}"
+                     for s in sorted(values))
+
+
+def floors_table(results: list[dict[str, Any]]) -> str:
+    """Every floor for every arm, per seed (seeds in order): met or missed."""
+    noisy, base = _by(results, "noisy"), _by(results, "noisy-base")
+    equal, weighted = _by(results, "equal-weights"), _by(results, "weighted")
+    solo = _by(results, "solo")
+    lines = ["| replicas | arm | noisy: b p99 / base (<= 1.5) | equal weights: Jain (>= 0.95) "
+             "| 1:2:4: worst share error (<= 0.10) | solo: / fcfs throughput (>= 0.97) |",
+             "|---|---|---|---|---|---|"]
+    keys = sorted({(n, arm) for n, arm, _ in (*noisy, *equal, *weighted, *solo)})
+    for n, arm in keys:
+        ratio = {s: c["tenants"]["b"]["ttft_p99_s"] / base[(n, arm, s)]["tenants"]["b"]["ttft_p99_s"]
+                 for (m, a, s), c in noisy.items() if (m, a) == (n, arm) and (m, a, s) in base}
+        jain = {s: c["jain_weighted_tokens"] for (m, a, s), c in equal.items() if (m, a) == (n, arm)}
+        worst = {s: max(abs(e) for e in c["share_errors"].values())
+                 for (m, a, s), c in weighted.items() if (m, a) == (n, arm)}
+        alone = {s: c["throughput_tok_s"] / solo[(n, "fcfs", s)]["throughput_tok_s"]
+                 for (m, a, s), c in solo.items()
+                 if (m, a) == (n, arm) and arm != "fcfs" and (m, "fcfs", s) in solo}
+        lines.append(f"| {n} | {arm} | {_per_seed(ratio, lambda r: r <= 1.5, 2)} | "
+                     f"{_per_seed(jain, lambda j: j >= 0.95, 3)} | "
+                     f"{_per_seed(worst, lambda e: e <= 0.10, 3)} | "
+                     f"{_per_seed(alone, lambda r: r >= 0.97, 4)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -182,6 +214,8 @@ def report(results: list[dict[str, Any]]) -> str:
         f"Seeds {seeds}, {duration} virtual s of arrivals a cell, iterserve's router; "
         f"{len(results)} cells, {cpu:.0f} CPU s. Figures: median (min-max) over the seeds.",
         "",
+        "## Every floor, every arm, per seed", "",
+        floors_table(results),
         "## Noisy neighbour: b's p99 TTFT when a sends 10x b's rate (1.5x capacity) over "
         "b's p99 when a sends its equal-weight share (0.5x capacity), same arm, same seed",
         "", noisy_table(results),
