@@ -7,8 +7,9 @@ the measured rates is printed beside it). Replica A (the holder) is kept busy by
 streams the whole time. Each round, in turn:
 
     pull       a fresh prompt is served on A, then sent to B with A's hint: B pulls A's blocks
-    host       a fresh prompt is served on B, two fillers push its blocks out of B's device
-               into B's host tier, then it is sent to B again: a local host-tier hit
+    host       a fresh prompt is served on B, fillers of the same length push all its blocks
+               out of B's device into B's host tier (as many as fill the device KV), then it is
+               sent to B again: a local host-tier hit, every block of it
     recompute  a fresh prompt nobody holds is sent to B
 
 Only the last request of each arm is timed: TTFT from the handle call to its first token,
@@ -88,6 +89,9 @@ def run_rounds(handle: Any, holder: str, receiver: str, args: argparse.Namespace
                ) -> dict[str, list[dict[str, float]]]:
     rng = random.Random(41)
     n, block = args.prompt_tokens, 16
+    # Until the fillers alone have taken every device block, some of the prompt's stay there
+    # (two fillers left 8 of 31 blocks on the device: a partial device hit, not a host hit).
+    fillers = -(-args.device_blocks // (n // block))
     results: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for round_index in range(args.rounds):
         order = ARMS if round_index % 2 == 0 else ARMS[::-1]  # alternate who goes first
@@ -99,7 +103,7 @@ def run_rounds(handle: Any, holder: str, receiver: str, args: argparse.Namespace
                 ttft, cached = first_token(handle, tokens, receiver, TIMED, kv_pull_hint=hint)
             elif arm == "host":
                 first_token(handle, tokens, receiver, TIMED)
-                for _ in range(2):
+                for _ in range(fillers):
                     first_token(handle, prompt(rng, n), receiver, TIMED)
                 ttft, cached = first_token(handle, tokens, receiver, TIMED)
             else:
