@@ -77,13 +77,19 @@ def test_pinned_slots_are_never_victims_and_a_full_pinned_tier_stores_nothing() 
     assert b == index.lookup(3)
 
 
-@pytest.mark.parametrize("decode", ["blocks", "loop"])  # block-transposed K, or contiguous
-def test_blocks_come_back_bit_for_bit(decode: str) -> None:
-    attention = CpuAttention("sdpa", decode)
-    caches = [attention.allocate(6, 4, 2, 8, torch.float32) for _ in range(2)]
+def random_caches(decode: str, num_blocks: int, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) caches laid out as the CPU engine lays them out, filled at random."""
+    caches = [CpuAttention("sdpa", decode).allocate(num_blocks, 4, 2, 8, torch.float32)
+              for _ in range(num_layers)]
     for k, v in caches:
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
+    return caches
+
+
+@pytest.mark.parametrize("decode", ["blocks", "loop"])  # block-transposed K, or contiguous
+def test_blocks_come_back_bit_for_bit(decode: str) -> None:
+    caches = random_caches(decode, num_blocks=6, num_layers=2)
     before = [(k.clone(), v.clone()) for k, v in caches]
     tier = HostKVTier(3, caches)
     tier.store(caches, [(1, 0), (4, 2), (5, 2)])  # slot 2 named twice: block 5 stays
@@ -157,11 +163,7 @@ def test_the_side_stream_path_brings_blocks_back_on_cuda() -> None:
 def test_a_slots_bytes_round_trip_for_the_disk_tier(decode: str) -> None:
     """read_slot / read_device_block give the disk tier a block's bytes; write_slots puts
     them back in a slot, from where the block loads bit for bit."""
-    attention = CpuAttention("sdpa", decode)
-    caches = [attention.allocate(6, 4, 2, 8, torch.float32) for _ in range(2)]
-    for k, v in caches:
-        k.copy_(torch.randn(k.shape))
-        v.copy_(torch.randn(v.shape))
+    caches = random_caches(decode, num_blocks=6, num_layers=2)
     before = [(k.clone(), v.clone()) for k, v in caches]
     tier = HostKVTier(3, caches)
     tier.store(caches, [(4, 1)])
@@ -181,11 +183,7 @@ def test_many_blocks_written_at_once_land_each_in_its_slot(decode: str) -> None:
     """A peer's payload rows (read-only numpy views, as Ray's object store hands them out)
     and disk bytes mixed, written to slots out of order in one call: each slot then holds
     its own block, bit for bit, and loads back into the device like a stored one."""
-    attention = CpuAttention("sdpa", decode)
-    caches = [attention.allocate(8, 4, 2, 8, torch.float32) for _ in range(3)]
-    for k, v in caches:
-        k.copy_(torch.randn(k.shape))
-        v.copy_(torch.randn(v.shape))
+    caches = random_caches(decode, num_blocks=8, num_layers=3)
     before = [(k.clone(), v.clone()) for k, v in caches]
     tier = HostKVTier(5, caches)
     rows = np.stack([np.frombuffer(tier.read_device_block(caches, block), dtype=np.uint8)
